@@ -1,0 +1,228 @@
+"""Fix actions as the job applies them, between two steps, within the bounds the job allowed.
+
+Each action validates its parameters against bounds (the job's, which the server cannot widen),
+applies itself, and returns the values before and after, plus an ``undo`` for ``revert_fix``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+Undo = Callable[[], dict]
+
+
+class FixRejected(Exception):
+    """The job will not apply this fix: not allowed, or a parameter out of bounds."""
+
+
+@dataclass
+class Applied:
+    before: dict
+    after: dict
+    undo: Undo | None = None
+
+
+@dataclass
+class Target:
+    """What an action may change: the model, its optimizer, and the probe itself."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    probe: Any
+    hooks: dict[str, Any] = field(default_factory=dict)  # fix_id -> optimizer hook handle
+
+
+def _number(params: Mapping, key: str, lo: float, hi: float, default: float | None = None) -> float:
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise FixRejected(f"parameter {key!r} must be a finite number, got {value!r}")
+    if not lo <= value <= hi:
+        raise FixRejected(f"parameter {key!r}={value} is outside the job's bounds [{lo}, {hi}]")
+    return float(value)
+
+
+def _need_optimizer(t: Target) -> torch.optim.Optimizer:
+    if t.optimizer is None:
+        raise FixRejected("this action needs the optimizer; pass it to probes.attach(model, optimizer)")
+    return t.optimizer
+
+
+def _groups(opt: torch.optim.Optimizer, params: Mapping) -> list[int]:
+    groups = params.get("groups")
+    if groups is None:
+        return list(range(len(opt.param_groups)))
+    if not isinstance(groups, list) or not all(isinstance(g, (int, float)) and int(g) == g for g in groups):
+        raise FixRejected("parameter 'groups' must be a list of param-group indices")
+    bad = [int(g) for g in groups if not 0 <= int(g) < len(opt.param_groups)]
+    if bad:
+        raise FixRejected(f"no param group {bad}; the optimizer has {len(opt.param_groups)}")
+    return [int(g) for g in groups]
+
+
+def _set_lrs(opt: torch.optim.Optimizer, lrs: dict[int, float]) -> None:
+    for i, lr in lrs.items():
+        group = opt.param_groups[i]
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def _lr_change(t: Target, params: Mapping, new_lr: Callable[[float], float]) -> Applied:
+    opt = _need_optimizer(t)
+    idx = _groups(opt, params)
+    before = {i: float(opt.param_groups[i]["lr"]) for i in idx}
+    after = {i: new_lr(lr) for i, lr in before.items()}
+    _set_lrs(opt, after)
+
+    def undo() -> dict:
+        _set_lrs(opt, before)
+        return {"lr": [before[i] for i in idx]}
+
+    return Applied({"lr": [before[i] for i in idx]}, {"lr": [after[i] for i in idx]}, undo)
+
+
+def lr_scale(t: Target, params: Mapping, bounds: Mapping) -> Applied:
+    factor = _number(params, "factor", bounds.get("min_factor", 1e-4), bounds.get("max_factor", 10.0))
+    return _lr_change(t, params, lambda lr: lr * factor)
+
+
+def set_lr(t: Target, params: Mapping, bounds: Mapping) -> Applied:
+    lr = _number(params, "lr", bounds.get("min_lr", 0.0), bounds.get("max_lr", 10.0))
+    return _lr_change(t, params, lambda _: lr)
+
+
+def _step_pre_hook(t: Target, fix_id: str, fn: Callable[[], None]) -> Undo:
+    opt = _need_optimizer(t)
+    handle = opt.register_step_pre_hook(lambda *_: fn())
+    t.hooks[fix_id] = handle
+
+    def undo() -> dict:
+        handle.remove()
+        t.hooks.pop(fix_id, None)
+        return {}
+
+    return undo
+
+
+def _trainable(t: Target) -> list[torch.nn.Parameter]:
+    opt = _need_optimizer(t)
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def grad_clip(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
+    ps = _trainable(t)
+    if "clip_value" in params:
+        value = _number(params, "clip_value", bounds.get("min_value", 1e-8), bounds.get("max_value", 1e6))
+        undo = _step_pre_hook(t, fix_id, lambda: torch.nn.utils.clip_grad_value_(ps, value))
+        return Applied({"clip_value": None}, {"clip_value": value}, undo)
+    max_norm = _number(params, "max_norm", bounds.get("min_norm", 1e-8), bounds.get("max_norm", 1e6))
+    undo = _step_pre_hook(t, fix_id, lambda: torch.nn.utils.clip_grad_norm_(ps, max_norm))
+    return Applied({"max_norm": None}, {"max_norm": max_norm}, undo)
+
+
+def skip_nonfinite(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
+    ps = _trainable(t)
+    probe = t.probe
+
+    def guard() -> None:
+        grads = [p.grad for p in ps if p.grad is not None]
+        # One host sync per step: the price of this fix, paid only while it is active.
+        if grads and not torch.stack([torch.isfinite(g).all() for g in grads]).all().item():
+            for p in ps:
+                p.grad = None  # optimizers skip parameters without a gradient: the step is a no-op
+            probe._skipped_steps += 1
+
+    undo = _step_pre_hook(t, fix_id, guard)
+    return Applied({"skip_nonfinite": False}, {"skip_nonfinite": True}, undo)
+
+
+def _matching(t: Target, pattern: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    if not isinstance(pattern, str) or not pattern:
+        raise FixRejected("parameter 'pattern' must be a parameter name or glob, e.g. 'encoder.*'")
+    found = [(n, p) for n, p in t.model.named_parameters() if fnmatch.fnmatchcase(n, pattern)
+             or n.startswith(pattern + ".")]
+    if not found:
+        raise FixRejected(f"no parameter matches {pattern!r}")
+    return found
+
+
+def grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
+    factor = _number(params, "factor", bounds.get("min_factor", 1e-4), bounds.get("max_factor", 100.0))
+    found = _matching(t, params.get("pattern"))
+
+    def scale() -> None:
+        for _, p in found:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    undo = _step_pre_hook(t, fix_id, scale)
+    names = [n for n, _ in found]
+    return Applied({"grad_scale": 1.0, "params": names}, {"grad_scale": factor, "params": names}, undo)
+
+
+def _freeze(t: Target, params: Mapping, flag: bool) -> Applied:
+    found = _matching(t, params.get("pattern") or params.get("module"))
+    before = {n: p.requires_grad for n, p in found}
+    for _, p in found:
+        p.requires_grad_(flag)
+        if not flag:
+            p.grad = None
+
+    def undo() -> dict:
+        for n, p in found:
+            p.requires_grad_(before[n])
+        return {"requires_grad": [before[n] for n, _ in found]}
+
+    names = [n for n, _ in found]
+    return Applied({"params": names, "requires_grad": [before[n] for n in names]},
+                   {"params": names, "requires_grad": [flag] * len(names)}, undo)
+
+
+def freeze(t: Target, params: Mapping, bounds: Mapping) -> Applied:
+    return _freeze(t, params, False)
+
+
+def unfreeze(t: Target, params: Mapping, bounds: Mapping) -> Applied:
+    return _freeze(t, params, True)
+
+
+def set_probe(t: Target, params: Mapping, bounds: Mapping) -> Applied:
+    interval = int(_number(params, "interval", bounds.get("min_interval", 1), bounds.get("max_interval", 100000)))
+    probe = t.probe
+    old = probe.interval
+    probe.set_interval(interval)
+
+    def undo() -> dict:
+        probe.set_interval(old)
+        return {"interval": old}
+
+    return Applied({"interval": old}, {"interval": interval}, undo)
+
+
+# Actions that take the fix id (they register a hook under it) are listed in _HOOKED.
+ACTIONS: dict[str, Callable[..., Applied]] = {
+    "lr_scale": lr_scale,
+    "set_lr": set_lr,
+    "grad_clip": grad_clip,
+    "skip_nonfinite": skip_nonfinite,
+    "grad_scale": grad_scale,
+    "freeze": freeze,
+    "unfreeze": unfreeze,
+    "set_probe": set_probe,
+}
+_HOOKED = {"grad_clip", "skip_nonfinite", "grad_scale"}
+
+
+def apply(action: str, target: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
+    fn = ACTIONS.get(action)
+    if fn is None:
+        raise FixRejected(f"this version of the probe cannot apply {action!r} live")
+    if action in _HOOKED:
+        return fn(target, params, bounds, fix_id)
+    return fn(target, params, bounds)

@@ -1,0 +1,86 @@
+"""Per-tensor statistics, computed batched on the tensors' device.
+
+All tensors of a collection are flattened into one buffer and reduced by segment, so the cost is a
+fixed handful of kernels per collection, not per tensor, and the result is one stacked (k, 8) tensor:
+one copy to the host (asynchronous on CUDA, read a step later).
+
+Moments (mean, std, min, max) are over the finite elements; ``norm`` is the true L2 norm, so it is
+null when any element is NaN or infinite. ``nan_count`` / ``inf_count`` say which.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+# Rows of the stacked result.
+_SUM, _SUMSQ, _NAN, _INF, _ZERO, _MIN, _MAX, _COUNT = range(8)
+# Flatten at most this many elements at once, so a big model never doubles its memory.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _segment_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    lengths = torch.tensor([t.numel() for t in tensors], device=flat.device)
+    seg = torch.repeat_interleave(torch.arange(len(tensors), device=flat.device), lengths)
+    k = len(tensors)
+    finite = torch.isfinite(flat)
+    xf = torch.where(finite, flat, torch.zeros((), device=flat.device))
+    out = torch.zeros(8, k, device=flat.device)
+    out[_SUM].index_add_(0, seg, xf)
+    out[_SUMSQ].index_add_(0, seg, xf * xf)
+    out[_NAN].index_add_(0, seg, torch.isnan(flat).float())
+    out[_INF].index_add_(0, seg, torch.isinf(flat).float())
+    out[_ZERO].index_add_(0, seg, (flat == 0).float())
+    inf = torch.tensor(float("inf"), device=flat.device)
+    out[_MIN] = torch.full((k,), float("inf"), device=flat.device).scatter_reduce(
+        0, seg, torch.where(finite, flat, inf), reduce="amin")
+    out[_MAX] = torch.full((k,), float("-inf"), device=flat.device).scatter_reduce(
+        0, seg, torch.where(finite, flat, -inf), reduce="amax")
+    out[_COUNT] = lengths.float()
+    return out
+
+
+def tensor_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Return a (8, k) float32 tensor of raw segment sums for ``tensors``, on their device."""
+    chunks: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if chunks[-1] and size + t.numel() > CHUNK_ELEMENTS:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(t)
+        size += t.numel()
+    parts = [_segment_stats(c) for c in chunks if c]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def rows_from_stats(names: Sequence[str], raw: list[list[float]]) -> list[dict]:
+    """Turn the host copy of ``tensor_stats`` into StatRow dicts (the wire form)."""
+    rows = []
+    for i, name in enumerate(names):
+        n = raw[_COUNT][i]
+        nan, inf = int(raw[_NAN][i]), int(raw[_INF][i])
+        finite_n = n - nan - inf
+        s, ss = raw[_SUM][i], raw[_SUMSQ][i]
+        mean = s / finite_n if finite_n else None
+        var = max(ss / finite_n - mean * mean, 0.0) if finite_n else None
+        rows.append({
+            "name": name,
+            "numel": int(n),
+            "norm": _finite(math.sqrt(ss)) if nan == 0 and inf == 0 else None,
+            "mean": _finite(mean) if mean is not None else None,
+            "std": _finite(math.sqrt(var)) if var is not None else None,
+            "min": _finite(raw[_MIN][i]),
+            "max": _finite(raw[_MAX][i]),
+            "nan_count": nan,
+            "inf_count": inf,
+            "zero_frac": raw[_ZERO][i] / n if n else None,
+        })
+    return rows

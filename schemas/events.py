@@ -1,0 +1,162 @@
+"""Events that a probe sends to the server, and what the server answers.
+
+Floats that are not finite (NaN, +/-Inf) are sent as ``null``: JSON has no literal for them. Where it
+matters which one it was, the tensor statistics carry ``nan_count`` and ``inf_count``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .enums import Collection, FixAction
+
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
+NAME_PATTERN = r"^[^\x00-\x1f]{1,256}$"
+MAX_EVENTS_PER_BATCH = 5000
+MAX_ROWS_PER_EVENT = 20000
+
+RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN, description="Run id: letters, digits, '.', '_', ':', '-'; at most 128.")]
+TensorName = Annotated[str, Field(pattern=NAME_PATTERN, description="A parameter, module or scalar name.")]
+Step = Annotated[int, Field(ge=0, le=2**53, description="Training step, counted by the probe from 0.")]
+Number = Annotated[float | None, Field(description="A finite number, or null when the value was NaN or infinite.")]
+ParamValue = Union[bool, int, float, str, list[str], list[float], None]
+Params = Annotated[dict[str, ParamValue], Field(max_length=64)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ModuleInfo(_Model):
+    name: TensorName
+    type: str = Field(max_length=128)
+
+
+class ParamInfo(_Model):
+    name: TensorName
+    shape: list[int] = Field(max_length=16)
+    numel: int = Field(ge=0)
+    trainable: bool = True
+    dtype: str = Field("float32", max_length=32)
+
+
+class OptimizerInfo(_Model):
+    type: str = Field(max_length=128)
+    param_groups: list[Params] = Field(default_factory=list, max_length=256)
+
+
+class RunStart(_Model):
+    """Sent once when a probe attaches: what the job is, so that rules and people can read the rest."""
+
+    kind: Literal["run_start"] = "run_start"
+    step: Step = 0
+    time: float
+    modules: list[ModuleInfo] = Field(default_factory=list, max_length=100000)
+    params: list[ParamInfo] = Field(default_factory=list, max_length=100000)
+    total_params: int = Field(0, ge=0)
+    optimizer: OptimizerInfo | None = None
+    torch_version: str = Field("", max_length=64)
+    device: str = Field("cpu", max_length=64)
+    world_size: int = Field(1, ge=1)
+    rank: int = Field(0, ge=0)
+    host: str = Field("", max_length=256)
+    allow: list[FixAction] = Field(default_factory=list, description="Fix actions this job accepts.")
+    config: Params = Field(default_factory=dict, description="The probe's own configuration.")
+
+
+class Scalars(_Model):
+    """Loss and user scalars (val_loss, accuracy, learning rate, step time, ...) at one step."""
+
+    kind: Literal["scalars"] = "scalars"
+    step: Step
+    time: float
+    values: dict[TensorName, Number] = Field(max_length=1024)
+
+
+class StatRow(_Model):
+    """Statistics of one tensor at one step. Fields a collection does not compute are null/absent."""
+
+    name: TensorName
+    numel: int | None = Field(None, ge=0)
+    norm: Number = None
+    mean: Number = None
+    std: Number = None
+    min: Number = None
+    max: Number = None
+    nan_count: int | None = Field(None, ge=0)
+    inf_count: int | None = Field(None, ge=0)
+    zero_frac: Number = None
+    dead_frac: Number = Field(None, description="Activations: fraction of units zero for the whole batch (ReLU family).")
+    saturated_frac: Number = Field(None, description="Activations: fraction of outputs within 1% of a tanh/sigmoid bound.")
+    update_ratio: Number = Field(None, description="Updates: ||w_after - w_before|| / ||w_before||.")
+
+
+class TensorStats(_Model):
+    kind: Literal["tensor_stats"] = "tensor_stats"
+    step: Step
+    time: float
+    collection: Collection
+    rows: list[StatRow] = Field(max_length=MAX_ROWS_PER_EVENT)
+
+
+class FixAck(_Model):
+    """The job's answer to a fix command: what it did, with the values before and after."""
+
+    kind: Literal["fix_ack"] = "fix_ack"
+    step: Step
+    time: float
+    fix_id: str = Field(max_length=64)
+    op: Literal["apply", "revert"] = "apply"
+    status: Literal["applied", "rejected", "failed", "reverted"]
+    before: Params = Field(default_factory=dict)
+    after: Params = Field(default_factory=dict)
+    reason: str | None = Field(None, max_length=2000)
+
+
+class ProbeMessage(_Model):
+    """Something the probe wants a person to know: it degraded, dropped events, skipped a hook."""
+
+    kind: Literal["message"] = "message"
+    step: Step
+    time: float
+    level: Literal["info", "warning", "error"] = "warning"
+    text: str = Field(max_length=4000)
+
+
+class RunEnd(_Model):
+    kind: Literal["run_end"] = "run_end"
+    step: Step
+    time: float
+    reason: str = Field("closed", max_length=256)
+
+
+Event = Annotated[
+    Union[RunStart, Scalars, TensorStats, FixAck, ProbeMessage, RunEnd],
+    Field(discriminator="kind"),
+]
+
+
+class IngestBatch(_Model):
+    """One POST /v1/ingest body. ``batch_id`` makes a retried or replayed batch count once."""
+
+    batch_id: str = Field(pattern=r"^[A-Za-z0-9_\-]{8,64}$")
+    run: RunId
+    seq: int = Field(ge=0, description="Order of this batch within the probe's stream.")
+    events: list[Event] = Field(max_length=MAX_EVENTS_PER_BATCH)
+
+
+class Command(_Model):
+    """A fix for the job to apply (or revert) at its next step boundary."""
+
+    fix_id: str = Field(max_length=64)
+    op: Literal["apply", "revert"] = "apply"
+    action: FixAction
+    params: Params = Field(default_factory=dict)
+
+
+class IngestReply(_Model):
+    accepted: int = Field(ge=0, description="Events stored from this batch (0 for a duplicate).")
+    duplicate: bool = False
+    commands: list[Command] = Field(default_factory=list)

@@ -1,0 +1,167 @@
+"""Records the server returns over HTTP and MCP."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .enums import AnomalyKind, AnomalyStatus, FixAction, FixStatus, Severity
+from .events import Number, Params, RunId
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Anomaly(_Record):
+    id: str = Field(description="Stable id, e.g. 'a-12'.")
+    run: RunId
+    kind: AnomalyKind
+    severity: Severity
+    status: AnomalyStatus
+    first_step: int
+    last_step: int
+    resolved_step: int | None = None
+    tensors: list[str] = Field(default_factory=list, description="Tensors involved, in forward order.")
+    message: str = Field(description="One sentence a person can act on.")
+    evidence: Params = Field(default_factory=dict, description="The numbers that triggered it.")
+    rule: str = Field(description="Name of the rule that raised it.")
+    created_at: float
+    updated_at: float
+
+
+class AnomalyPage(_Record):
+    run: RunId
+    anomalies: list[Anomaly]
+    total: int = Field(description="Matching anomalies, before paging.")
+    offset: int = 0
+    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
+
+
+class Fix(_Record):
+    id: str = Field(description="Stable id, e.g. 'f-3'.")
+    run: RunId
+    anomaly_id: str | None
+    action: FixAction
+    params: Params = Field(default_factory=dict)
+    rationale: str
+    expected_effect: str = ""
+    risk: Literal["low", "medium", "high"] = "low"
+    live: bool = Field(True, description="Can be applied to the running job (false: needs a restart).")
+    rank: int = Field(1, ge=1, description="1 is the best candidate for its anomaly.")
+    status: FixStatus
+    reason: str | None = Field(None, description="Why it was rejected, failed, expired or judged.")
+    requested_by: str | None = None
+    created_at: float
+    updated_at: float
+    applied_step: int | None = None
+    before: Params = Field(default_factory=dict)
+    after: Params = Field(default_factory=dict)
+
+
+class FixList(_Record):
+    run: RunId
+    fixes: list[Fix]
+
+
+class AuditEntry(_Record):
+    run: RunId
+    time: float
+    actor: str = Field(description="Who asked: an MCP client's name, 'http:<addr>', or 'job'.")
+    action: str = Field(description="proposed, apply_requested, applied, rejected, failed, verdict, revert_requested, ...")
+    fix_id: str | None = None
+    detail: Params = Field(default_factory=dict)
+
+
+class AuditTrail(_Record):
+    run: RunId
+    entries: list[AuditEntry]
+
+
+class Run(_Record):
+    run: RunId
+    status: Literal["active", "ended", "stale"]
+    created_at: float
+    last_seen: float
+    last_step: int
+    device: str = ""
+    total_params: int = 0
+    allow: list[FixAction] = Field(default_factory=list)
+    open_anomalies: int = 0
+
+
+class RunList(_Record):
+    runs: list[Run]
+
+
+class RunSummary(_Record):
+    run: Run
+    latest: dict[str, Number] = Field(default_factory=dict, description="Latest value of each scalar.")
+    anomalies_by_kind: dict[str, int] = Field(default_factory=dict, description="Open anomalies per kind.")
+    fixes_by_status: dict[str, int] = Field(default_factory=dict)
+
+
+class SeriesPoint(_Record):
+    step: int
+    value: Number
+
+
+class Series(_Record):
+    run: RunId
+    name: str
+    points: list[SeriesPoint]
+    downsampled: bool = False
+
+
+class LayerRecipe(_Record):
+    name: str = Field(description="Parameter tensor name.")
+    numel: int
+    sparsity: float = Field(ge=0.0, le=1.0)
+    structure: Literal["unstructured", "channels"] = "unstructured"
+    precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    saliency: Number = Field(None, description="Mean Fisher-weighted saliency per weight (w^2 * F).")
+    reason: str
+
+
+class CompressionRecipe(_Record):
+    run: RunId
+    target_sparsity: float = Field(ge=0.0, lt=1.0)
+    achieved_sparsity: float
+    method: str
+    layers: list[LayerRecipe]
+    dense_size_bytes: int
+    predicted_size_bytes: int
+    predicted_loss_increase: Number = None
+    notes: list[str] = Field(default_factory=list)
+
+
+class Cause(_Record):
+    anomaly_id: str
+    kind: AnomalyKind
+    step: int
+    tensor: str | None = None
+    explanation: str
+    consequences: list[str] = Field(default_factory=list, description="Ids of anomalies this one explains.")
+
+
+class Diagnosis(_Record):
+    run: RunId
+    summary: str
+    causes: list[Cause]
+    report: str = Field(description="The same, as text a person can read.")
+
+
+class Health(_Record):
+    status: Literal["ok"] = "ok"
+    version: str
+    schema_version: str
+    data_dir: str
+
+
+class Error(_Record):
+    """The one shape of every error the server returns."""
+
+    error: str = Field(description="A short machine-readable code, e.g. 'invalid_batch', 'unknown_run'.")
+    message: str = Field(description="What is wrong, in a sentence a person can act on.")
+    detail: list[str] = Field(default_factory=list, description="Each problem found, with where it is.")
