@@ -21,7 +21,9 @@ RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN, description="Run id: letter
 TensorName = Annotated[str, Field(pattern=NAME_PATTERN, description="A parameter, module or scalar name.")]
 Step = Annotated[int, Field(ge=0, le=2**53, description="Training step, counted by the probe from 0.")]
 Number = Annotated[float | None, Field(description="A finite number, or null when the value was NaN or infinite.")]
-ParamValue = Union[bool, int, float, str, list[str], list[float], None]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Time = Annotated[float, Field(allow_inf_nan=False, ge=0, description="Unix time in seconds.")]
+ParamValue = Union[bool, int, Finite, str, list[str], list[Number], None]
 Params = Annotated[dict[str, ParamValue], Field(max_length=64)]
 
 
@@ -52,7 +54,7 @@ class RunStart(_Model):
 
     kind: Literal["run_start"] = "run_start"
     step: Step = 0
-    time: float
+    time: Time
     modules: list[ModuleInfo] = Field(default_factory=list, max_length=100000)
     params: list[ParamInfo] = Field(default_factory=list, max_length=100000)
     total_params: int = Field(0, ge=0)
@@ -71,7 +73,7 @@ class Scalars(_Model):
 
     kind: Literal["scalars"] = "scalars"
     step: Step
-    time: float
+    time: Time
     values: dict[TensorName, Number] = Field(max_length=1024)
 
 
@@ -96,7 +98,7 @@ class StatRow(_Model):
 class TensorStats(_Model):
     kind: Literal["tensor_stats"] = "tensor_stats"
     step: Step
-    time: float
+    time: Time
     collection: Collection
     rows: list[StatRow] = Field(max_length=MAX_ROWS_PER_EVENT)
 
@@ -106,7 +108,7 @@ class FixAck(_Model):
 
     kind: Literal["fix_ack"] = "fix_ack"
     step: Step
-    time: float
+    time: Time
     fix_id: str = Field(max_length=64)
     op: Literal["apply", "revert"] = "apply"
     status: Literal["applied", "rejected", "failed", "reverted"]
@@ -120,7 +122,7 @@ class ProbeMessage(_Model):
 
     kind: Literal["message"] = "message"
     step: Step
-    time: float
+    time: Time
     level: Literal["info", "warning", "error"] = "warning"
     text: str = Field(max_length=4000)
 
@@ -128,7 +130,7 @@ class ProbeMessage(_Model):
 class RunEnd(_Model):
     kind: Literal["run_end"] = "run_end"
     step: Step
-    time: float
+    time: Time
     reason: str = Field("closed", max_length=256)
 
 

@@ -157,7 +157,15 @@ def dict_parts(node: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[s
 def mixed_items(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """The item schema of a scalar-or-list union: the union of its list members' items."""
     members = node.get("anyOf") or node["oneOf"]
-    items = [resolve(m, defs)["items"] for m in members if resolve(m, defs).get("type") == "array"]
+    items: list[dict[str, Any]] = []
+    for m in members:
+        if resolve(m, defs).get("type") != "array":
+            continue
+        item = resolve(m, defs)["items"]
+        # Flatten nested unions (list[str] | list[float | None]) so a null item shows as one nillable union.
+        for sub in item.get("anyOf", [item]):
+            if sub not in items:
+                items.append(sub)
     return items[0] if len(items) == 1 else {"anyOf": items}
 
 

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .enums import AnomalyKind, AnomalyStatus, FixAction, FixStatus, Severity
-from .events import Number, Params, RunId
+from .events import Finite, Number, Params, RunId, Time
 
 
 class _Record(BaseModel):
@@ -20,15 +20,15 @@ class Anomaly(_Record):
     kind: AnomalyKind
     severity: Severity
     status: AnomalyStatus
-    first_step: int
-    last_step: int
+    first_step: int = Field(ge=0)
+    last_step: int = Field(ge=0)
     resolved_step: int | None = None
     tensors: list[str] = Field(default_factory=list, description="Tensors involved, in forward order.")
     message: str = Field(description="One sentence a person can act on.")
     evidence: Params = Field(default_factory=dict, description="The numbers that triggered it.")
     rule: str = Field(description="Name of the rule that raised it.")
-    created_at: float
-    updated_at: float
+    created_at: Time
+    updated_at: Time
 
 
 class AnomalyPage(_Record):
@@ -53,8 +53,8 @@ class Fix(_Record):
     status: FixStatus
     reason: str | None = Field(None, description="Why it was rejected, failed, expired or judged.")
     requested_by: str | None = None
-    created_at: float
-    updated_at: float
+    created_at: Time
+    updated_at: Time
     applied_step: int | None = None
     before: Params = Field(default_factory=dict)
     after: Params = Field(default_factory=dict)
@@ -67,7 +67,7 @@ class FixList(_Record):
 
 class AuditEntry(_Record):
     run: RunId
-    time: float
+    time: Time
     actor: str = Field(description="Who asked: an MCP client's name, 'http:<addr>', or 'job'.")
     action: str = Field(description="proposed, apply_requested, applied, rejected, failed, verdict, revert_requested, ...")
     fix_id: str | None = None
@@ -82,8 +82,8 @@ class AuditTrail(_Record):
 class Run(_Record):
     run: RunId
     status: Literal["active", "ended", "stale"]
-    created_at: float
-    last_seen: float
+    created_at: Time
+    last_seen: Time
     last_step: int
     device: str = ""
     total_params: int = 0
@@ -127,7 +127,7 @@ class LayerRecipe(_Record):
 class CompressionRecipe(_Record):
     run: RunId
     target_sparsity: float = Field(ge=0.0, lt=1.0)
-    achieved_sparsity: float
+    achieved_sparsity: Finite
     method: str
     layers: list[LayerRecipe]
     dense_size_bytes: int

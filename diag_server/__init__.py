@@ -1,0 +1,3 @@
+"""traindx diagnostics server."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,36 @@
+"""The ASGI app, declared in one place: REST routes, MCP over Streamable HTTP at /mcp, lifespan.
+
+It wires parts together and does nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+
+from . import __version__
+from .http import build_router, install_error_handlers
+from .services import Services, Settings
+from .tools import build_mcp
+
+
+def create_app(settings: Settings | None = None, services: Services | None = None) -> FastAPI:
+    services = services or Services(settings or Settings())
+    mcp = build_mcp(services, __version__)
+    mcp_app = mcp.streamable_http_app(streamable_http_path="/mcp", host=services.settings.host)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with mcp.session_manager.run():
+            yield
+        services.close()
+
+    app = FastAPI(title="traindx", version=__version__, lifespan=lifespan,
+                  description="Live diagnostics for PyTorch training runs: anomalies, root causes, fixes.")
+    app.state.services = services
+    install_error_handlers(app)
+    app.include_router(build_router(services))
+    app.router.routes.extend(mcp_app.routes)  # the /mcp route, beside the REST routes
+    return app

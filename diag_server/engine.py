@@ -1,0 +1,138 @@
+"""Runs the rules over each batch as it arrives, and keeps anomalies and fix verdicts up to date.
+
+Runs only in the store's writer thread (it is called from ingest's write function), so per-run rule
+state needs no lock. State is persisted with the batch, in the same transaction.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from schemas.enums import AnomalyStatus, FixStatus, Severity
+
+from .rules import BUILTIN, Finding, Observations, Rule
+
+_SEVERITY_ORDER = {Severity.info.value: 0, Severity.warning.value: 1, Severity.critical.value: 2}
+
+
+@dataclass
+class EngineSettings:
+    # An anomaly is resolved when its rule has not reported it for this many sampling intervals.
+    resolve_after_intervals: int = 3
+    # A fix is judged this many sampling intervals after it was applied (sooner if its anomaly clears).
+    verify_after_intervals: int = 6
+    # A fix after which the loss median is this much higher than before is flagged for revert.
+    worse_margin: float = 0.10
+    rule_params: dict[str, dict[str, float]] = field(default_factory=dict)
+    disabled: set[str] = field(default_factory=set)
+    extra_rules: list[type[Rule]] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings | None = None) -> None:
+        self.settings = settings or EngineSettings()
+        classes = [*BUILTIN, *self.settings.extra_rules]
+        self.rules: list[Rule] = [cls(**self.settings.rule_params.get(cls.name, {}))
+                                  for cls in classes if cls.name not in self.settings.disabled]
+        self._states: dict[tuple[str, str], dict] = {}
+
+    def describe(self) -> list[dict]:
+        return [r.describe() for r in self.rules]
+
+    # -- called from ingest, in the writer thread ------------------------------------------------------
+    def process(self, conn: sqlite3.Connection, obs: Observations, now: float) -> list[str]:
+        """Run every rule over ``obs``; return ids of anomalies opened by this batch."""
+        opened: list[str] = []
+        seen: set[str] = set()
+        for rule in self.rules:
+            state = self._state(conn, obs.run, rule)
+            findings = rule.observe(state, obs)
+            conn.execute("INSERT OR REPLACE INTO rule_state(run, rule, state) VALUES (?,?,?)",
+                         (obs.run, rule.name, orjson.dumps(state).decode()))
+            for f in findings:
+                key = f"{f.kind.value}:{f.key}"
+                seen.add(key)
+                new_id = self._record(conn, obs.run, rule, f, key, now)
+                if new_id:
+                    opened.append(new_id)
+        self._resolve(conn, obs, seen, now)
+        self._verify_fixes(conn, obs, now)
+        return opened
+
+    def _state(self, conn: sqlite3.Connection, run: str, rule: Rule) -> dict:
+        key = (run, rule.name)
+        if key not in self._states:
+            row = conn.execute("SELECT state FROM rule_state WHERE run=? AND rule=?", key).fetchone()
+            self._states[key] = orjson.loads(row[0]) if row else rule.initial_state()
+        return self._states[key]
+
+    def forget(self, run: str) -> None:
+        for key in [k for k in self._states if k[0] == run]:
+            del self._states[key]
+
+    def _record(self, conn: sqlite3.Connection, run: str, rule: Rule, f: Finding, key: str, now: float) -> str | None:
+        evidence = orjson.dumps(f.evidence).decode()
+        row = conn.execute("SELECT id, severity, last_step FROM anomalies WHERE run=? AND key=? AND status='open'",
+                           (run, key)).fetchone()
+        if row:
+            severity = max(row["severity"], f.severity.value, key=_SEVERITY_ORDER.get)
+            conn.execute("UPDATE anomalies SET last_step=max(last_step, ?), severity=?, message=?, evidence=?, "
+                         "tensors=?, updated_at=? WHERE id=?",
+                         (f.step, severity, f.message, evidence, orjson.dumps(f.tensors).decode(), now, row["id"]))
+            return None
+        cur = conn.execute(
+            "INSERT INTO anomalies(run, kind, severity, status, first_step, last_step, tensors, message, evidence,"
+            " rule, key, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (run, f.kind.value, f.severity.value, AnomalyStatus.open.value, min(f.since or f.step, f.step), f.step,
+             orjson.dumps(f.tensors).decode(), f.message, evidence, rule.name, key, now, now))
+        anomaly_id = f"a-{cur.lastrowid}"
+        conn.execute("UPDATE anomalies SET id=? WHERE seq=?", (anomaly_id, cur.lastrowid))
+        return anomaly_id
+
+    def _resolve(self, conn: sqlite3.Connection, obs: Observations, seen: set[str], now: float) -> None:
+        horizon = obs.last_step - self.settings.resolve_after_intervals * obs.interval
+        conn.execute("UPDATE anomalies SET status='resolved', resolved_step=?, updated_at=? "
+                     "WHERE run=? AND status='open' AND last_step < ?",
+                     (obs.last_step, now, obs.run, horizon))
+
+    def _verify_fixes(self, conn: sqlite3.Connection, obs: Observations, now: float) -> None:
+        rows = conn.execute("SELECT f.id, f.applied_step, f.verify, a.status AS astatus, a.last_step AS alast "
+                            "FROM fixes f LEFT JOIN anomalies a ON a.id = f.anomaly_id "
+                            "WHERE f.run=? AND f.status='applied'", (obs.run,)).fetchall()
+        for r in rows:
+            applied = r["applied_step"] or 0
+            window = self.settings.verify_after_intervals * obs.interval
+            verify = orjson.loads(r["verify"]) if r["verify"] else {}
+            if r["astatus"] == AnomalyStatus.resolved.value:
+                self._verdict(conn, obs.run, r["id"], FixStatus.effective,
+                              f"the anomaly cleared within {obs.last_step - applied} steps of the fix", now)
+            elif obs.last_step >= applied + window:
+                after = loss_median(conn, obs.run, applied, obs.last_step)
+                before = verify.get("loss_before")
+                worse = before is not None and after is not None and after > before * (1 + self.settings.worse_margin)
+                reason = (f"the anomaly still held {obs.last_step - applied} steps after the fix"
+                          + (f"; loss is worse ({after:.4g} vs {before:.4g} before): revert it" if worse else ""))
+                self._verdict(conn, obs.run, r["id"], FixStatus.ineffective, reason, now,
+                              {"loss_before": before, "loss_after": after, "revert_suggested": worse})
+
+    @staticmethod
+    def _verdict(conn: sqlite3.Connection, run: str, fix_id: str, status: FixStatus, reason: str, now: float,
+                 detail: dict[str, Any] | None = None) -> None:
+        conn.execute("UPDATE fixes SET status=?, reason=?, updated_at=? WHERE id=?", (status.value, reason, now, fix_id))
+        conn.execute("INSERT INTO audit(run, time, actor, action, fix_id, detail) VALUES (?,?,?,?,?,?)",
+                     (run, now, "server", "verdict", fix_id,
+                      orjson.dumps({"status": status.value, "reason": reason, **(detail or {})}).decode()))
+
+
+def loss_median(conn: sqlite3.Connection, run: str, lo: int, hi: int) -> float | None:
+    vals = [r[0] for r in conn.execute("SELECT value FROM scalars WHERE run=? AND name='loss' AND step>=? AND step<=? "
+                                       "AND value IS NOT NULL", (run, lo, hi))]
+    if not vals:
+        return None
+    vals.sort()
+    return vals[len(vals) // 2]
+

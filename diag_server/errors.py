@@ -1,0 +1,20 @@
+"""One error shape for every error the server returns (schemas.Error), over HTTP and MCP."""
+
+from __future__ import annotations
+
+from schemas.records import Error
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, detail: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.detail = detail or []
+
+    def body(self) -> Error:
+        return Error(error=self.code, message=self.message, detail=self.detail)
+
+    def __str__(self) -> str:
+        return self.message + ("" if not self.detail else " (" + "; ".join(self.detail) + ")")

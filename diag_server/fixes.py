@@ -1,0 +1,224 @@
+"""Fix proposals computed from an anomaly's evidence and the run's history; apply, revert, status.
+
+Deciding (which fix, with what parameters) happens here; acting happens in the job (probes.fixes),
+and the two meet only through commands on the ingest reply and the job's acknowledgements.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import orjson
+
+from schemas.enums import AnomalyKind, FixAction, FixStatus
+from schemas.records import Anomaly, Fix, FixList
+
+from .errors import ApiError
+from .queries import STALE_AFTER_S, fix_from_row, get_anomaly, get_fix, require_run
+from .rules.base import median
+from .rules.gradients import global_norm
+from .store import Store
+
+
+@dataclass
+class Candidate:
+    action: FixAction
+    params: dict[str, Any]
+    rationale: str
+    expected_effect: str
+    risk: str = "low"
+    live: bool = True
+
+
+# -- what the run's history says ---------------------------------------------------------------------
+def _healthy_grad_norm(conn: sqlite3.Connection, run: str, before_step: int) -> float | None:
+    """Median global gradient norm over the samples before the anomaly began."""
+    rows = conn.execute("SELECT step, norm, tensor FROM stats WHERE run=? AND collection='gradients' AND step<? "
+                        "ORDER BY step DESC LIMIT 2000", (run, before_step)).fetchall()
+    by_step: dict[int, list[dict]] = {}
+    for step, norm, tensor in rows:
+        by_step.setdefault(step, []).append({"name": tensor, "norm": norm})
+    norms = [g for g in (global_norm(v) for v in by_step.values()) if g is not None]
+    return median(norms[:20]) if norms else None
+
+
+def _lr_history(conn: sqlite3.Connection, run: str, upto: int) -> tuple[float | None, float | None, int | None]:
+    """(lr before the latest change, lr now, step of the change) for param group 0."""
+    rows = conn.execute("SELECT step, value FROM scalars WHERE run=? AND name='lr/group0' AND step<=? ORDER BY step",
+                        (run, upto)).fetchall()
+    if not rows:
+        return None, None, None
+    now = rows[-1][1]
+    for step, value in reversed(rows):
+        if value is not None and now is not None and abs(value - now) > 1e-12 * max(abs(now), 1e-30):
+            return value, now, step
+    return None, now, None
+
+
+def _lr_fix(conn: sqlite3.Connection, a: Anomaly, severity_ratio: float | None) -> Candidate:
+    prev, now, changed_at = _lr_history(conn, a.run, a.last_step)
+    if prev is not None and now is not None and now > prev:
+        return Candidate(FixAction.set_lr, {"lr": prev},
+                         f"The learning rate was raised from {prev:.3g} to {now:.3g} shortly before step "
+                         f"{a.first_step} (last seen at {prev:.3g} at step {changed_at}); the run was healthy at the "
+                         "old rate.", "Restores the rate the run was healthy at; the loss should fall again within "
+                         "a few sampling intervals.", "low")
+    factor = 0.1 if severity_ratio is None else min(max(1.0 / severity_ratio ** 0.5, 0.01), 0.5)
+    factor = float(f"{factor:.2g}")
+    return Candidate(FixAction.lr_scale, {"factor": factor},
+                     f"Scale the learning rate by {factor} (1/sqrt of the {severity_ratio or 'observed'}x growth, "
+                     "bounded to [0.01, 0.5]) so updates shrink back to the size the run tolerated.",
+                     "Smaller steps; the loss should stop rising within a few sampling intervals.", "medium")
+
+
+def _clip_fix(conn: sqlite3.Connection, a: Anomaly) -> Candidate | None:
+    healthy = _healthy_grad_norm(conn, a.run, a.first_step)
+    if healthy is None:
+        return None
+    max_norm = float(f"{2 * healthy:.3g}")
+    return Candidate(FixAction.grad_clip, {"max_norm": max_norm},
+                     f"Clip the global gradient norm at {max_norm} (2x the healthy median {healthy:.3g} "
+                     f"measured before step {a.first_step}).",
+                     "Caps each update at twice its healthy size; spikes can no longer throw the weights off.", "low")
+
+
+def _exploding(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
+    ratio = a.evidence.get("ratio")
+    lr = _lr_fix(conn, a, ratio if isinstance(ratio, (int, float)) else None)
+    clip = _clip_fix(conn, a)
+    # If the learning rate was just raised, restoring it treats the cause; clipping treats the symptom.
+    ordered = [lr, clip] if lr.action == FixAction.set_lr else [clip, lr]
+    return [c for c in ordered if c is not None]
+
+
+def _divergence(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
+    ratio = a.evidence.get("ratio")
+    return [c for c in (_lr_fix(conn, a, ratio if isinstance(ratio, (int, float)) else None), _clip_fix(conn, a)) if c]
+
+
+def _nonfinite(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
+    out = [Candidate(FixAction.skip_nonfinite, {},
+                     f"Skip optimizer steps whose gradients contain NaN/Inf (first seen in "
+                     f"{a.evidence.get('first_tensor') or a.evidence.get('scalar') or 'the run'} at step {a.first_step}), "
+                     "so one bad batch cannot poison the weights.",
+                     "Bad steps become no-ops; weights that are already non-finite stay so (roll back for that).",
+                     "low")]
+    out.append(_lr_fix(conn, a, None))
+    clip = _clip_fix(conn, a)
+    if clip:
+        out.append(clip)
+    return out
+
+
+PROPOSERS: dict[AnomalyKind, Callable[[sqlite3.Connection, Anomaly], list[Candidate]]] = {
+    AnomalyKind.exploding_gradient: _exploding,
+    AnomalyKind.loss_divergence: _divergence,
+    AnomalyKind.nonfinite: _nonfinite,
+}
+
+
+def _advice(a: Anomaly) -> Candidate:
+    return Candidate(FixAction.advice, {"instructions": f"No live fix is known for {a.kind.value}; see the message: "
+                                        f"{a.message}"}, "Needs a change to the training code.",
+                     "None until the job is restarted with the change.", "low", live=False)
+
+
+# -- the loop: propose, apply, revert ----------------------------------------------------------------
+def propose(store: Store, run: str, anomaly_id: str, actor: str) -> FixList:
+    def write(conn: sqlite3.Connection) -> FixList:
+        a = get_anomaly(conn, run, anomaly_id)
+        allowed = set(require_run_allow(conn, run))
+        cands = PROPOSERS.get(a.kind, lambda *_: [])(conn, a) or [_advice(a)]
+        # What the job allows comes first: a proposal it would reject is worth less to the agent.
+        cands.sort(key=lambda c: (c.action.value not in allowed and c.live,))
+        existing = {(r["action"], r["params"]): r for r in conn.execute(
+            "SELECT * FROM fixes WHERE run=? AND anomaly_id=?", (run, anomaly_id))}
+        now, out = time.time(), []
+        for rank, c in enumerate(cands, 1):
+            params = orjson.dumps(c.params, option=orjson.OPT_SORT_KEYS).decode()
+            row = existing.get((c.action.value, params))
+            if row is not None:  # proposing twice gives the same fix ids
+                conn.execute("UPDATE fixes SET rank=?, updated_at=? WHERE id=?", (rank, now, row["id"]))
+                out.append(row["id"])
+                continue
+            rationale = c.rationale
+            if c.live and c.action.value not in allowed:
+                rationale += (f" This job does not allow '{c.action.value}' yet: attach the probe with "
+                              f"allow=[..., '{c.action.value}'] to let it be applied.")
+            status = FixStatus.proposed if c.live else FixStatus.advice
+            cur = conn.execute(
+                "INSERT INTO fixes(run, anomaly_id, action, params, rationale, expected_effect, risk, live, rank, "
+                "status, requested_by, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (run, anomaly_id, c.action.value, params, rationale, c.expected_effect, c.risk, int(c.live), rank,
+                 status.value, actor, now, now))
+            fix_id = f"f-{cur.lastrowid}"
+            conn.execute("UPDATE fixes SET id=? WHERE seq=?", (fix_id, cur.lastrowid))
+            _audit(conn, run, actor, "proposed", fix_id, {"action": c.action.value, "anomaly_id": anomaly_id})
+            out.append(fix_id)
+        rows = {r["id"]: r for r in conn.execute(
+            f"SELECT * FROM fixes WHERE id IN ({','.join('?' * len(out))})", out)}
+        return FixList(run=run, fixes=[fix_from_row(rows[i]) for i in out])
+
+    return store.write(write)
+
+
+def require_run_allow(conn: sqlite3.Connection, run: str) -> list[str]:
+    row = require_run(conn, run)
+    return orjson.loads(row["start"]).get("allow", []) if row["start"] else []
+
+
+def apply(store: Store, run: str, fix_id: str, actor: str) -> Fix:
+    def write(conn: sqlite3.Connection) -> Fix:
+        fix = get_fix(conn, run, fix_id)
+        if fix.status in (FixStatus.pending, FixStatus.applied, FixStatus.effective, FixStatus.ineffective):
+            return fix  # idempotent: applying twice applies once
+        if not fix.live:
+            raise ApiError(409, "not_live", f"{fix_id} is advice ({fix.action.value}): it needs a change to the "
+                           "training code and a restart, so it cannot be applied to the running job")
+        if fix.status not in (FixStatus.proposed, FixStatus.rejected, FixStatus.failed, FixStatus.expired,
+                              FixStatus.reverted):
+            raise ApiError(409, "stale_fix", f"{fix_id} is {fix.status.value} and cannot be applied")
+        row = require_run(conn, run)
+        now = time.time()
+        if row["ended"] or now - row["last_seen"] > STALE_AFTER_S:
+            why = ("the job has ended" if row["ended"] else
+                   f"the job has not been heard from for {now - row['last_seen']:.0f}s")
+            conn.execute("UPDATE fixes SET status='expired', reason=?, updated_at=? WHERE id=?",
+                         (f"not sent: {why}", now, fix_id))
+            _audit(conn, run, actor, "apply_refused", fix_id, {"reason": why})
+            raise ApiError(409, "job_unavailable", f"{fix_id} was not sent: {why}. Nothing was changed.")
+        conn.execute("UPDATE fixes SET status='pending', pending_op='apply', reason=NULL, requested_by=?, "
+                     "updated_at=? WHERE id=?", (actor, now, fix_id))
+        _audit(conn, run, actor, "apply_requested", fix_id, {"action": fix.action.value})
+        return get_fix(conn, run, fix_id)
+
+    return store.write(write)
+
+
+def revert(store: Store, run: str, fix_id: str, actor: str) -> Fix:
+    def write(conn: sqlite3.Connection) -> Fix:
+        fix = get_fix(conn, run, fix_id)
+        if fix.status == FixStatus.pending:
+            now = time.time()
+            conn.execute("UPDATE fixes SET status='proposed', pending_op=NULL, updated_at=? WHERE id=?", (now, fix_id))
+            _audit(conn, run, actor, "apply_cancelled", fix_id, {})
+            return get_fix(conn, run, fix_id)
+        if fix.status not in (FixStatus.applied, FixStatus.effective, FixStatus.ineffective):
+            raise ApiError(409, "not_applied", f"{fix_id} is {fix.status.value}: only an applied fix can be reverted")
+        conn.execute("UPDATE fixes SET pending_op='revert', updated_at=? WHERE id=?", (time.time(), fix_id))
+        _audit(conn, run, actor, "revert_requested", fix_id, {})
+        return get_fix(conn, run, fix_id)
+
+    return store.write(write)
+
+
+def status(store: Store, run: str, fix_id: str) -> Fix:
+    return get_fix(store.read(), run, fix_id)
+
+
+def _audit(conn: sqlite3.Connection, run: str, actor: str, action: str, fix_id: str | None, detail: dict) -> None:
+    conn.execute("INSERT INTO audit(run, time, actor, action, fix_id, detail) VALUES (?,?,?,?,?,?)",
+                 (run, time.time(), actor, action, fix_id, orjson.dumps(detail).decode()))

@@ -1,0 +1,152 @@
+"""Ingest: validate a probe's batch, store it whole (or not at all), run the rules, answer with commands."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from schemas.events import Command, FixAck, IngestBatch, IngestReply, RunStart, Scalars, TensorStats
+
+from .engine import Engine, loss_median
+from .errors import ApiError
+from .rules import Observations
+from .store import Store
+
+MAX_BODY_BYTES = 32 << 20  # a full batch of the largest events fits well inside this
+DEFAULT_INTERVAL = 50
+
+_STAT_COLUMNS = ("numel", "norm", "mean", "std", "min", "max", "nan_count", "inf_count", "zero_frac",
+                 "dead_frac", "saturated_frac", "update_ratio")
+
+
+def parse_batch(body: bytes) -> IngestBatch:
+    """Parse and validate a request body; raise ApiError(400/413/422) saying what is wrong."""
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(413, "body_too_large", f"the body is {len(body)} bytes; the limit is {MAX_BODY_BYTES}")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, "invalid_json", f"the body is not valid JSON: {e}") from None
+    try:
+        return IngestBatch.model_validate(data)
+    except ValidationError as e:
+        raise ApiError(422, "invalid_batch", f"the batch does not match the IngestBatch schema "
+                       f"({e.error_count()} problem(s)); nothing was stored", validation_details(e)) from None
+
+
+def validation_details(e: ValidationError, limit: int = 20) -> list[str]:
+    out = []
+    for err in e.errors()[:limit]:
+        where = ".".join(str(x) for x in err["loc"]) or "(body)"
+        out.append(f"{where}: {err['msg']}")
+    if e.error_count() > limit:
+        out.append(f"... and {e.error_count() - limit} more")
+    return out
+
+
+def ingest(store: Store, engine: Engine, batch: IngestBatch) -> IngestReply:
+    return store.write(lambda conn: _ingest(conn, engine, batch, time.time()))
+
+
+def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: float) -> IngestReply:
+    run = batch.run
+    if batch.events and conn.execute("SELECT 1 FROM batches WHERE batch_id=?", (batch.batch_id,)).fetchone():
+        return IngestReply(accepted=0, duplicate=True, commands=pending_commands(conn, run))
+    _touch_run(conn, run, now)
+    if not batch.events:  # a heartbeat: the probe asks for commands
+        return IngestReply(accepted=0, commands=pending_commands(conn, run))
+    conn.execute("INSERT INTO batches(batch_id, run, seq, received, events) VALUES (?,?,?,?,?)",
+                 (batch.batch_id, run, batch.seq, now, len(batch.events)))
+    obs = Observations(run=run, interval=_interval(conn, run))
+    last_step = 0
+    scalar_rows: list[tuple[Any, ...]] = []
+    stat_rows: list[tuple[Any, ...]] = []
+    for ev in batch.events:
+        last_step = max(last_step, ev.step)
+        if isinstance(ev, Scalars):
+            for name, value in ev.values.items():
+                scalar_rows.append((run, ev.step, name, value, ev.time))
+                obs.scalars.setdefault(name, []).append((ev.step, value))
+        elif isinstance(ev, TensorStats):
+            rows = [r.model_dump() for r in ev.rows]
+            obs.stats.setdefault(ev.collection.value, {})[ev.step] = rows
+            stat_rows.extend((run, ev.step, ev.collection.value, r["name"], *(r[c] for c in _STAT_COLUMNS))
+                             for r in rows)
+        elif isinstance(ev, RunStart):
+            conn.execute("UPDATE runs SET start=?, ended=0 WHERE run=?", (ev.model_dump_json(), run))
+            obs.interval = int(ev.config.get("interval") or DEFAULT_INTERVAL)  # type: ignore[arg-type]
+        elif isinstance(ev, FixAck):
+            _apply_ack(conn, run, ev, now)
+        elif ev.kind == "message":
+            conn.execute("INSERT INTO messages(run, step, time, level, text) VALUES (?,?,?,?,?)",
+                         (run, ev.step, ev.time, ev.level, ev.text))
+        elif ev.kind == "run_end":
+            conn.execute("UPDATE runs SET ended=1 WHERE run=?", (run,))
+            _expire_pending(conn, run, "the job ended before it picked the fix up", now)
+    for series in obs.scalars.values():  # events of one batch may interleave steps
+        series.sort(key=lambda p: p[0])
+    conn.executemany("INSERT INTO scalars(run, step, name, value, time) VALUES (?,?,?,?,?)", scalar_rows)
+    conn.executemany(f"INSERT INTO stats(run, step, collection, tensor, {', '.join(_STAT_COLUMNS)}) "
+                     f"VALUES ({', '.join('?' * (4 + len(_STAT_COLUMNS)))})", stat_rows)
+    conn.execute("UPDATE runs SET last_step=max(last_step, ?) WHERE run=?", (last_step, run))
+    engine.process(conn, obs, now)
+    return IngestReply(accepted=len(batch.events), commands=pending_commands(conn, run))
+
+
+def _touch_run(conn: sqlite3.Connection, run: str, now: float) -> None:
+    conn.execute("INSERT INTO runs(run, created_at, last_seen) VALUES (?,?,?) "
+                 "ON CONFLICT(run) DO UPDATE SET last_seen=excluded.last_seen", (run, now, now))
+
+
+def _interval(conn: sqlite3.Connection, run: str) -> int:
+    row = conn.execute("SELECT start FROM runs WHERE run=?", (run,)).fetchone()
+    if row and row[0]:
+        return int(orjson.loads(row[0]).get("config", {}).get("interval") or DEFAULT_INTERVAL)
+    return DEFAULT_INTERVAL
+
+
+def pending_commands(conn: sqlite3.Connection, run: str) -> list[Command]:
+    rows = conn.execute("SELECT id, action, params, pending_op FROM fixes WHERE run=? AND pending_op IS NOT NULL "
+                        "ORDER BY seq", (run,)).fetchall()
+    return [Command(fix_id=r["id"], op=r["pending_op"], action=r["action"], params=orjson.loads(r["params"]))
+            for r in rows]
+
+
+def _apply_ack(conn: sqlite3.Connection, run: str, ack: FixAck, now: float) -> None:
+    row = conn.execute("SELECT status, anomaly_id FROM fixes WHERE id=? AND run=?", (ack.fix_id, run)).fetchone()
+    if row is None:
+        return  # an ack for a fix this store never issued (an imported file, say): nothing to update
+    detail = {"op": ack.op, "status": ack.status, "step": ack.step, "reason": ack.reason}
+    if ack.op == "revert":
+        status = "reverted" if ack.status == "reverted" else row["status"]
+        conn.execute("UPDATE fixes SET status=?, pending_op=NULL, reason=coalesce(?, reason), updated_at=? WHERE id=?",
+                     (status, ack.reason, now, ack.fix_id))
+    elif ack.status == "applied":
+        loss_before = _recent_loss(conn, run, ack.step)
+        conn.execute("UPDATE fixes SET status='applied', pending_op=NULL, applied_step=?, before=?, after=?, "
+                     "verify=?, reason=NULL, updated_at=? WHERE id=?",
+                     (ack.step, orjson.dumps(ack.before).decode(), orjson.dumps(ack.after).decode(),
+                      orjson.dumps({"loss_before": loss_before}).decode(), now, ack.fix_id))
+    else:
+        conn.execute("UPDATE fixes SET status=?, pending_op=NULL, reason=?, updated_at=? WHERE id=?",
+                     (ack.status, ack.reason, now, ack.fix_id))
+    conn.execute("INSERT INTO audit(run, time, actor, action, fix_id, detail) VALUES (?,?,?,?,?,?)",
+                 (run, now, "job", ack.status, ack.fix_id,
+                  orjson.dumps({**detail, "before": ack.before, "after": ack.after}).decode()))
+
+
+def _recent_loss(conn: sqlite3.Connection, run: str, step: int, window: int = 50) -> float | None:
+    return loss_median(conn, run, max(step - window, 0), step)
+
+
+def _expire_pending(conn: sqlite3.Connection, run: str, reason: str, now: float) -> None:
+    ids = [r[0] for r in conn.execute("SELECT id FROM fixes WHERE run=? AND pending_op IS NOT NULL", (run,))]
+    for fix_id in ids:
+        conn.execute("UPDATE fixes SET status=CASE WHEN pending_op='apply' THEN 'expired' ELSE status END, "
+                     "pending_op=NULL, reason=?, updated_at=? WHERE id=?", (reason, now, fix_id))
+        conn.execute("INSERT INTO audit(run, time, actor, action, fix_id, detail) VALUES (?,?,?,?,?,?)",
+                     (run, now, "server", "expired", fix_id, orjson.dumps({"reason": reason}).decode()))

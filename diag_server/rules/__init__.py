@@ -1,0 +1,30 @@
+"""The rule catalog. Each module holds one family; ``BUILTIN`` lists every rule the server runs.
+
+To add a rule of your own, subclass ``Rule`` and name it in the server's ``--rule module:Class``
+option (or ``TRAINDX_RULES``); see the README.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Finding, Observations, Param, Rule
+from .gradients import ExplodingGradient
+from .loss import LossDivergence
+from .nonfinite import NonFinite
+
+BUILTIN: list[type[Rule]] = [NonFinite, ExplodingGradient, LossDivergence]
+
+
+def load(path: str) -> type[Rule]:
+    """Load a user rule from 'package.module:ClassName'."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"a rule path looks like 'package.module:ClassName', got {path!r}")
+    cls = getattr(importlib.import_module(module), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Rule)) or not cls.name:
+        raise ValueError(f"{path!r} is not a Rule subclass with a name")
+    return cls
+
+
+__all__ = ["BUILTIN", "Finding", "Observations", "Param", "Rule", "load"]

@@ -1,0 +1,113 @@
+"""The store: one SQLite file in WAL mode, one writer thread, readers on their own connections.
+
+As in datasette, every write is a function handed to the writer thread (``write(fn)``), so writes are
+serialised without locks in callers and each runs in one transaction: a batch is stored whole or
+not at all. Readers use a connection per thread and see the last committed state.
+"""
+
+from __future__ import annotations
+
+import queue
+import sqlite3
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS runs(
+    run TEXT PRIMARY KEY, created_at REAL, last_seen REAL, last_step INTEGER DEFAULT 0,
+    ended INTEGER DEFAULT 0, start TEXT);
+CREATE TABLE IF NOT EXISTS batches(
+    batch_id TEXT PRIMARY KEY, run TEXT, seq INTEGER, received REAL, events INTEGER);
+CREATE TABLE IF NOT EXISTS scalars(run TEXT, step INTEGER, name TEXT, value REAL, time REAL);
+CREATE INDEX IF NOT EXISTS scalars_by_name ON scalars(run, name, step);
+CREATE TABLE IF NOT EXISTS stats(
+    run TEXT, step INTEGER, collection TEXT, tensor TEXT, numel INTEGER, norm REAL, mean REAL, std REAL,
+    min REAL, max REAL, nan_count INTEGER, inf_count INTEGER, zero_frac REAL, dead_frac REAL,
+    saturated_frac REAL, update_ratio REAL);
+CREATE INDEX IF NOT EXISTS stats_by_tensor ON stats(run, collection, tensor, step);
+CREATE INDEX IF NOT EXISTS stats_by_step ON stats(run, step);
+CREATE TABLE IF NOT EXISTS messages(run TEXT, step INTEGER, time REAL, level TEXT, text TEXT);
+CREATE TABLE IF NOT EXISTS anomalies(
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, kind TEXT, severity TEXT, status TEXT,
+    first_step INTEGER, last_step INTEGER, resolved_step INTEGER, tensors TEXT, message TEXT, evidence TEXT,
+    rule TEXT, key TEXT, created_at REAL, updated_at REAL);
+CREATE INDEX IF NOT EXISTS anomalies_by_run ON anomalies(run, status, kind);
+CREATE TABLE IF NOT EXISTS fixes(
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, anomaly_id TEXT, action TEXT, params TEXT,
+    rationale TEXT, expected_effect TEXT, risk TEXT, live INTEGER, rank INTEGER, status TEXT, reason TEXT,
+    requested_by TEXT, created_at REAL, updated_at REAL, applied_step INTEGER, before TEXT, after TEXT,
+    pending_op TEXT, verify TEXT);
+CREATE INDEX IF NOT EXISTS fixes_by_run ON fixes(run, status);
+CREATE TABLE IF NOT EXISTS audit(run TEXT, time REAL, actor TEXT, action TEXT, fix_id TEXT, detail TEXT);
+CREATE INDEX IF NOT EXISTS audit_by_run ON audit(run, time);
+CREATE TABLE IF NOT EXISTS rule_state(run TEXT, rule TEXT, state TEXT, PRIMARY KEY(run, rule));
+"""
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")  # durable at each WAL checkpoint; a crash loses no committed batch
+    conn.execute("PRAGMA busy_timeout=30000")
+    return conn
+
+
+class Store:
+    def __init__(self, data_dir: str | Path) -> None:
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.path = str(self.data_dir / "traindx.sqlite")
+        self._writer = _connect(self.path)
+        self._writer.executescript(SCHEMA)
+        self._local = threading.local()
+        self._jobs: queue.Queue[tuple[Callable[[sqlite3.Connection], Any], Future] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._write_loop, name="traindx-store-writer", daemon=True)
+        self._thread.start()
+
+    def integrity(self) -> str:
+        return self.read().execute("PRAGMA quick_check").fetchone()[0]
+
+    # -- writes --------------------------------------------------------------------------------------
+    def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn(conn)`` in the writer thread, in one transaction; return its result or raise its error."""
+        fut: Future = Future()
+        self._jobs.put((fn, fut))
+        return fut.result()
+
+    def _write_loop(self) -> None:
+        conn = self._writer
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                result = fn(conn)
+                conn.execute("COMMIT")
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                conn.execute("ROLLBACK")
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+
+    # -- reads ---------------------------------------------------------------------------------------
+    def read(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = _connect(self.path)
+            self._local.conn = conn
+        return conn
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(5)
+        self._writer.close()

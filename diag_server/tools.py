@@ -1,0 +1,145 @@
+"""The MCP tools: thin typed wrappers over the same query and fix functions the HTTP routes call.
+
+Each tool takes and returns pydantic models, so ``tools/list`` advertises input and output schemas and
+every result carries structured content. Errors come back as tool errors with a message an agent can
+act on (an unknown run lists the known runs; a stale fix says why).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Callable, TypeVar
+
+import anyio
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import ToolAnnotations
+from pydantic import Field
+
+from schemas.enums import AnomalyKind, AnomalyStatus, Severity
+from schemas.records import AnomalyPage, CompressionRecipe, Diagnosis, Fix, FixList, RunList, RunSummary, Series
+
+from . import compression, diagnosis, fixes, queries
+from .errors import ApiError
+from .services import Services
+
+T = TypeVar("T")
+
+INSTRUCTIONS = """traindx watches live PyTorch training runs. Typical loop: list_runs -> get_anomalies(run)
+(open, critical first) -> diagnose(run) for the root cause -> propose_fix(run, anomaly_id) -> apply_fix(run,
+fix_id) -> get_fix_status(run, fix_id) until it is effective or ineffective -> revert_fix if it made things
+worse. Fixes are applied by the job itself between two steps, only if the job allowed that action."""
+
+RunArg = Annotated[str, Field(description="Run id, as listed by list_runs.")]
+_READ = ToolAnnotations(read_only_hint=True, open_world_hint=False)
+
+def _actor(ctx: Context | None) -> str:
+    try:
+        info = ctx.session.client_params.client_info  # type: ignore[union-attr]
+        return f"mcp:{info.name}" if info and info.name else "mcp"
+    except Exception:  # noqa: BLE001 - stateless requests may carry no client info
+        return "mcp"
+
+async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    try:
+        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+    except ApiError as e:
+        raise ToolError(f"{e.code}: {e}") from None
+
+def build_mcp(services: Services, version: str) -> MCPServer:
+    store = services.store
+    server = MCPServer("traindx", instructions=INSTRUCTIONS, version=version)
+
+    @server.tool(annotations=_READ)
+    async def list_runs() -> RunList:
+        """List every run the server knows, most recently active first, with its status (active, ended,
+        stale), last step and count of open anomalies. Call this first to find the run id to pass to the
+        other tools."""
+        return await _call(queries.list_runs, store)
+
+    @server.tool(annotations=_READ)
+    async def get_run(run: RunArg) -> RunSummary:
+        """Summary of one run: status, last step, latest value of every scalar (loss, val_loss, sys/...),
+        open anomalies by kind and fixes by status. Use it to check progress after a fix."""
+        return await _call(queries.run_summary, store, run)
+
+    @server.tool(annotations=_READ)
+    async def get_anomalies(
+        run: RunArg,
+        kind: Annotated[AnomalyKind | None, Field(description="Only this anomaly kind.")] = None,
+        severity: Annotated[Severity | None, Field(description="Only this severity.")] = None,
+        status: Annotated[AnomalyStatus | None, Field(description="open or resolved; default both.")] = None,
+        min_step: Annotated[int | None, Field(ge=0, description="Only anomalies still holding at or after this step.")] = None,
+        max_step: Annotated[int | None, Field(ge=0, description="Only anomalies that began at or before this step.")] = None,
+        offset: Annotated[int, Field(ge=0)] = 0,
+        limit: Annotated[int, Field(ge=1, le=200, description="Page size.")] = 20,
+    ) -> AnomalyPage:
+        """The run's anomalies, open and critical first: kind, severity, first and last step, tensors
+        involved, a one-sentence message and the evidence numbers. Next: call diagnose(run) for how they
+        relate, or propose_fix(run, anomaly_id) for the one to fix. Page with offset/next_offset."""
+        return await _call(queries.anomalies, store, run, kind=kind, severity=severity, status=status,
+                           min_step=min_step, max_step=max_step, offset=offset, limit=limit)
+
+    @server.tool(annotations=_READ)
+    async def diagnose(run: RunArg) -> Diagnosis:
+        """Rank the probable root causes of what went wrong in the run, each with the anomalies it explains,
+        and a readable report. Fix the first cause first: its consequences often clear with it."""
+        return await _call(diagnosis.diagnose, store, run)
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True,
+                                             open_world_hint=False))
+    async def propose_fix(run: RunArg, anomaly_id: Annotated[str, Field(description="e.g. 'a-3'")],
+                          ctx: Context) -> FixList:
+        """Candidate fixes for one anomaly, best first, computed from its evidence and the run's history
+        (a clip norm from the healthy gradient norms, the learning rate the run was healthy at). Each has
+        an id, action, params, rationale, expected effect, risk and whether it can be applied live. Next:
+        apply_fix(run, fix_id) with the first live one. Proposing again returns the same ids."""
+        return await _call(fixes.propose, store, run, anomaly_id, _actor(ctx))
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True,
+                                             open_world_hint=False))
+    async def apply_fix(run: RunArg, fix_id: Annotated[str, Field(description="e.g. 'f-5', from propose_fix")],
+                        ctx: Context) -> Fix:
+        """Queue a proposed fix for the live job. The job applies it at its next step boundary (only if it
+        allowed that action) and acknowledges with before/after values: status goes pending -> applied
+        (or rejected/failed with the reason), then effective or ineffective once the server has watched
+        the anomaly. Poll get_fix_status. Applying twice applies once."""
+        return await _call(fixes.apply, store, run, fix_id, _actor(ctx))
+
+    @server.tool(annotations=_READ)
+    async def get_fix_status(run: RunArg, fix_id: str) -> Fix:
+        """Where a fix stands: proposed, pending, applied, rejected, failed, expired, effective, ineffective
+        or reverted, with the reason and the job's before/after values. If ineffective and the reason says
+        the loss got worse, call revert_fix."""
+        return await _call(fixes.status, store, run, fix_id)
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True,
+                                             open_world_hint=False))
+    async def revert_fix(run: RunArg, fix_id: str, ctx: Context) -> Fix:
+        """Undo an applied fix in the job (restore the learning rate, remove a clip, ...). The status becomes
+        reverted once the job acknowledges."""
+        return await _call(fixes.revert, store, run, fix_id, _actor(ctx))
+
+    @server.tool(annotations=_READ)
+    async def compression_recipe(
+        run: RunArg,
+        target_sparsity: Annotated[float, Field(ge=0.0, lt=1.0, description="Fraction of all weights to zero.")] = 0.8,
+    ) -> CompressionRecipe:
+        """A per-layer pruning recipe meeting the target sparsity at the least predicted loss increase,
+        from the run's Fisher (mean squared gradient) and weight statistics, with the predicted size and
+        why each layer got its sparsity."""
+        return await _call(compression.recipe, store, run, target_sparsity)
+
+    @server.tool(annotations=_READ)
+    async def get_series(
+        run: RunArg,
+        name: Annotated[str, Field(description="A scalar such as 'loss', 'val_loss', 'sys/step_time', or a "
+                                               "tensor name when collection is given.")],
+        collection: Annotated[str | None, Field(description="weights, gradients, updates or activations.")] = None,
+        field: Annotated[str, Field(description="Statistic of the tensor: norm, mean, std, ...")] = "norm",
+        max_points: Annotated[int, Field(ge=2, le=2000)] = 100,
+    ) -> Series:
+        """One metric over steps, downsampled to at most max_points."""
+        return await _call(queries.series, store, run, name, collection=collection, field=field,
+                           max_points=max_points)
+
+    return server
