@@ -1,0 +1,79 @@
+"""Shared fixtures: a real `traindx serve` process on a free port with its own data directory."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    port: int
+    data_dir: Path
+    proc: subprocess.Popen | None = None
+    extra_args: tuple[str, ...] = ()
+    env: dict | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **(self.env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "diag_server.cli", "serve", "--port", str(self.port), "--data", str(self.data_dir),
+             *self.extra_args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError("server did not start in time")
+
+    def stop(self, sig: str = "term") -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill() if sig == "kill" else self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+
+def make_server(tmp_path: Path, *args: str, env: dict | None = None) -> ServerProcess:
+    port = free_port()
+    return ServerProcess(url=f"http://127.0.0.1:{port}", port=port, data_dir=tmp_path / "data",
+                         extra_args=args, env=env)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerProcess]:
+    srv = make_server(tmp_path)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def spool_dir(tmp_path: Path) -> Path:
+    return tmp_path / "spool"
