@@ -55,6 +55,7 @@ class Collection:
     def __init__(self, probe: Any, interval: int) -> None:
         self.probe = probe
         self.interval = interval
+        self._handles: list[Any] = []  # one-shot hooks armed for the coming sampled step
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
@@ -65,8 +66,13 @@ class Collection:
     def collect(self, step: int) -> list[HostCopy]:
         return []
 
+    def disarm(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
     def close(self) -> None:
-        pass
+        self.disarm()
 
 
 class Weights(Collection):
@@ -108,18 +114,12 @@ class Updates(Collection):
         self._before: list[torch.Tensor] | None = None
         self._names: list[str] = []
         self._result: torch.Tensor | None = None
-        self._handles: list[Any] = []
 
     def arm(self, step: int) -> None:
         opt = self.probe.optimizer
         if opt is None:
             return
         self._handles = [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
-
-    def _disarm(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     def _pre(self, *_: Any) -> None:
         named = [(n, p) for n, p in self.probe.params if p.grad is not None]
@@ -138,7 +138,7 @@ class Updates(Collection):
         self._before = None
 
     def collect(self, step: int) -> list[HostCopy]:
-        self._disarm()
+        self.disarm()
         out = []
         if self._result is not None:
             out.append(HostCopy(self.name, step, self._names, self._result, _update_rows))
@@ -202,7 +202,6 @@ class Activations(Collection):
 
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
-        self._handles: list[Any] = []
         self._names: list[str] = []
         self._stats: list[torch.Tensor] = []
         self._done = False
@@ -238,13 +237,8 @@ class Activations(Collection):
         self._record("<output>", out, None)
         self._done = True  # one forward per sampled step; later forwards (eval) are not this step's
 
-    def _disarm(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
     def collect(self, step: int) -> list[HostCopy]:
-        self._disarm()
+        self.disarm()
         if not self._stats:
             return []
         stacked = torch.stack(self._stats, dim=1)
@@ -271,7 +265,6 @@ class System(Collection):
 
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
-        self._handles: list[Any] = []
         self._marks: dict[str, float] = {}
 
     def arm(self, step: int) -> None:
@@ -288,9 +281,7 @@ class System(Collection):
         self._marks.setdefault(key, time.perf_counter())
 
     def collect(self, step: int) -> list[HostCopy]:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.disarm()
         p, m, out = self.probe, self._marks, {}
         if p.steps_timed:
             out["sys/step_time"] = p.step_time_sum / p.steps_timed
