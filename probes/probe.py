@@ -119,6 +119,7 @@ class Probe:
         self.steps_timed = 0
         self.prev_end: float | None = None
         self._due: list[Collection] = []
+        self._next_due = 0
         self._send_run_start()
         self._arm(0)
         self.prev_end = time.perf_counter()
@@ -147,12 +148,14 @@ class Probe:
                 self._user_scalars.append((step, scalars))
             if self._due:
                 self._sample(step)
+                self._due = []
             elif len(self._losses) >= MAX_BUFFERED_LOSSES:
                 self._flush_scalars()
             if self._inbox:
                 self._apply_commands(step)
             self._step = step + 1
-            self._arm(step + 1)
+            if step + 1 >= self._next_due:
+                self._arm(step + 1)
         except Exception as e:  # noqa: BLE001 - the training job comes first
             self._degrade("step", e)
             self._step = step + 1
@@ -174,6 +177,7 @@ class Probe:
         for c in self.collections:
             if c.name not in self._fixed_interval:
                 c.interval = interval
+        self._next_due = min((c.next_due(self._step + 1) for c in self.collections), default=2**62)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Send everything measured so far; True when it reached the server."""
@@ -207,7 +211,10 @@ class Probe:
 
     # -- sampling ------------------------------------------------------------------------------------
     def _arm(self, step: int) -> None:
+        """Arm the collections due at ``step``; note the next step any collection is due, so the steps
+        in between cost one comparison."""
         self._due = [c for c in self.collections if c.due(step)]
+        self._next_due = min((c.next_due(step + 1) for c in self.collections), default=2**62)
         for c in self._due:
             c.arm(step)
 
@@ -347,6 +354,7 @@ class Probe:
             log.warning("traindx: %d probe errors; sampling switched off for this run", self._errors)
             self.collections = []
             self._due = []
+            self._next_due = 2**62
 
 
 def _hyper(v: Any) -> Any:
