@@ -24,6 +24,7 @@ class JobResult:
     run: str
     losses: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # time.time() at the end of each step
     error: BaseException | None = None
 
     def median(self, lo: int, hi: int) -> float:
@@ -68,6 +69,7 @@ def lr_spike_job(*, run: str, steps: int = 1500, fault_step: int | None = 500, f
                 probe.step(loss=loss)
             result.losses.append(loss.item())
             result.lrs.append(float(opt.param_groups[0]["lr"]))
+            result.times.append(time.time())
             if pace:
                 time.sleep(pace)
     except BaseException as e:  # noqa: BLE001 - reported to the caller, who runs us in a thread
