@@ -8,8 +8,19 @@ import httpx
 import orjson
 import pytest
 
+from tests.conftest import make_server
 
-def _batch(run: str = "ing", **over) -> dict:
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the module: every test uses its own run names."""
+    srv = make_server(tmp_path_factory.mktemp("ingest"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _batch(run: str = "refused", **over) -> dict:
     b = {"batch_id": uuid.uuid4().hex, "run": run, "seq": 0,
          "events": [{"kind": "scalars", "step": 1, "time": 1.0, "values": {"loss": 0.5}}]}
     b.update(over)
@@ -38,7 +49,8 @@ def test_malformed_ingest_is_refused_whole(server, body, status, code):
     assert err["error"] == code and err["message"]
     if status == 422:
         assert err["detail"], "a schema error says where the problem is"
-    assert httpx.get(f"{server.url}/v1/runs").json()["runs"] == []  # nothing stored
+    runs = [r["run"] for r in httpx.get(f"{server.url}/v1/runs").json()["runs"]]
+    assert "refused" not in runs and "r" not in runs  # nothing stored
     assert httpx.get(f"{server.url}/health").status_code == 200  # still serving
 
 
