@@ -85,6 +85,50 @@ def demo(steps: int, keep: bool) -> None:
 
 
 @main.command()
+@click.argument("session", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--against", required=True, help="An MCP endpoint URL (http://HOST:PORT/mcp), or 'stdio' to launch "
+              "`traindx mcp --data DATA`.")
+@click.option("--run-job", is_flag=True, help="Also start the session's seeded training job against the server "
+              "(URL targets only: the job posts to the same host).")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for each response "
+              "to match the recording.")
+@_data_option
+def replay(session: Path, against: str, run_job: bool, timeout: float, data_dir: Path) -> None:
+    """Re-run a recorded MCP session and report every response that differs in shape or meaning."""
+    import asyncio
+
+    from agent_examples.scripted_agent import connect
+    from agent_examples.sessions import SessionError, load, replay as run_replay, start_job
+
+    try:
+        header, calls = load(session)
+    except SessionError as e:
+        raise click.ClickException(str(e)) from None
+    job = None
+    if run_job:
+        if against == "stdio" or not header.get("job"):
+            raise click.ClickException("--run-job needs a URL target and a session whose header names a job")
+        job = start_job(header["job"], against.rsplit("/mcp", 1)[0])
+
+    async def go():  # noqa: ANN202
+        client = connect(stdio_data=str(data_dir), name="traindx-replay") if against == "stdio" else \
+            connect(against, name="traindx-replay")
+        async with client:
+            return await run_replay(client, calls, timeout=timeout)
+
+    report = asyncio.run(go())
+    if job is not None:
+        job.join()
+    for m in report.mismatches:
+        click.echo(f"call {m.seq} ({m.tool}) differs:")
+        for d in m.differences[:20]:
+            click.echo(f"  {d}")
+    click.echo(f"{report.calls} recorded calls replayed ({report.sent} requests sent): "
+               f"{len(report.mismatches)} differ")
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command()
 @click.option("--check", is_flag=True, help="Exit 1 if the checked-in schema files differ from the models.")
 def schemas(check: bool) -> None:
     """Write (or --check) schemas/traindx.schema.json and schemas/traindx.xsd from the models."""
