@@ -3,8 +3,23 @@
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 import httpx
+import pytest
+
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    # The machine's cores are shared by several test runs: more torch threads than free cores makes a
+    # tiny model 20x slower, so the integration tests train on one.
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 class Agent:

@@ -9,10 +9,12 @@ import torch
 
 L = pytest.importorskip("lightning.pytorch")
 
-from conftest import make_server  # noqa: E402
-from integration_helpers import Agent  # noqa: E402
+from integration_helpers import Agent, one_thread  # noqa: E402,F401
 from probes.lightning import TraindxCallback  # noqa: E402
 from probes.sinks import MemorySink  # noqa: E402
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _data(n: int = 64, seed: int = 0) -> torch.utils.data.TensorDataset:
@@ -77,30 +79,26 @@ class SpikeThenAgent(L.Callback):
             self.lr_after_fix.append(opt.param_groups[0]["lr"])
 
 
-def test_fit_sees_the_lr_spike_and_applies_the_fix_through_the_trainer(tmp_path):
-    srv = make_server(tmp_path)
-    srv.start()
-    try:
-        run = "lightning-spike"
-        traindx = TraindxCallback(run=run, server=srv.url, interval=1, flush_interval=0.05,
-                                  spool_dir=tmp_path / "spool", allow=["set_lr", "lr_scale", "grad_clip"])
-        agent = Agent(srv.url, run)
-        spike = SpikeThenAgent(traindx, agent, spike_at=12)
-        model = Regressor()
-        _trainer([traindx, spike], max_steps=40, val_check_interval=8, limit_val_batches=2).fit(
-            model, _loader(_data()), _loader(_data(16, seed=1)))
-        assert agent.anomaly is not None, "no anomaly was raised after the learning-rate spike"
-        fix = agent.wait_fix({"applied", "effective", "ineffective"})
-        assert fix["status"] in {"applied", "effective", "ineffective"}, fix
-        assert fix["applied_step"] is not None and fix["applied_step"] > 12
-        # The fix reached the Trainer's own optimizer: the rate is back to the healthy 0.05.
-        assert fix["action"] == "set_lr" and fix["before"]["lr"] == [pytest.approx(2.0)]
-        assert spike.lr_after_fix[-1] == pytest.approx(0.05)
-        # Training and validation losses and logged metrics reached the server.
-        assert len(agent.scalar("loss")) == 40
-        assert agent.scalar("val_loss") and agent.scalar("train_mse")
-    finally:
-        srv.stop()
+def test_fit_sees_the_lr_spike_and_applies_the_fix_through_the_trainer(session_server, tmp_path):
+    srv = session_server
+    run = "lightning-spike"
+    traindx = TraindxCallback(run=run, server=srv.url, interval=1, flush_interval=0.05,
+                              spool_dir=tmp_path / "spool", allow=["set_lr", "lr_scale", "grad_clip"])
+    agent = Agent(srv.url, run)
+    spike = SpikeThenAgent(traindx, agent, spike_at=12)
+    model = Regressor()
+    _trainer([traindx, spike], max_steps=40, val_check_interval=8, limit_val_batches=2).fit(
+        model, _loader(_data()), _loader(_data(16, seed=1)))
+    assert agent.anomaly is not None, "no anomaly was raised after the learning-rate spike"
+    fix = agent.wait_fix({"applied", "effective", "ineffective"})
+    assert fix["status"] in {"applied", "effective", "ineffective"}, fix
+    assert fix["applied_step"] is not None and fix["applied_step"] > 12
+    # The fix reached the Trainer's own optimizer: the rate is back to the healthy 0.05.
+    assert fix["action"] == "set_lr" and fix["before"]["lr"] == [pytest.approx(2.0)]
+    assert spike.lr_after_fix[-1] == pytest.approx(0.05)
+    # Training and validation losses and logged metrics reached the server.
+    assert len(agent.scalar("loss")) == 40
+    assert agent.scalar("val_loss") and agent.scalar("train_mse")
 
 
 def test_gradient_statistics_are_of_the_accumulated_gradient():
