@@ -129,6 +129,9 @@ class Probe:
         self._due: list[Collection] = []
         self._next_due = 0
         self._send_run_start()
+        for c in self.collections:
+            if getattr(c, "note", None):  # what a collection cannot see in this job (a compiled model, say)
+                self.sender.put({"kind": "message", "step": 0, "time": time.time(), "level": "info", "text": c.note})
         self._arm(0)
         self.prev_end = time.perf_counter()
 
