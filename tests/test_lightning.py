@@ -156,3 +156,27 @@ def test_grad_clip_fix_acts_on_the_step_it_is_applied_in():
     assert all(norms[s] > 1e-2 for s in norms if s <= applied_at)
     later = [norms[s] for s in norms if s > applied_at]
     assert later and all(n == pytest.approx(1e-3, rel=1e-3) for n in later)
+
+
+def test_fp16_steps_the_trainers_scaler_skips_are_not_faults(session_server, tmp_path):
+    """Lightning's own GradScaler (fp16 autocast on CPU here): its overflow skips reach the server as such."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    run = "lightning-fp16"
+    traindx = TraindxCallback(run=run, server=session_server.url, interval=1, flush_interval=0.05,
+                              spool_dir=tmp_path / "spool")
+    # A start scale of 2**24 overflows fp16 gradients for the first steps; the scaler skips them and backs off.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    trainer = _trainer([traindx], max_steps=12, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    trainer.fit(Regressor(), _loader(_data()))
+    agent = Agent(session_server.url, run)
+    skipped = [s for s, v in agent.scalar("amp/skipped") if v]
+    assert skipped[:3] == [0, 1, 2] and len(skipped) < 12  # the first steps skip until the scale comes down
+    overflowed: dict[int, bool] = {}
+    for name in ("net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"):
+        grads = agent.client.get(f"/v1/runs/{run}/series/{name}", params={"collection": "gradients"}).json()
+        for p in grads["points"]:
+            overflowed[p["step"]] = overflowed.get(p["step"], False) or p["value"] is None
+    # Inf gradients exactly on the skipped steps (unscaled and finite on the others), and no fault raised.
+    assert overflowed == {s: s in skipped for s in range(12)}
+    assert agent.anomalies() == []
