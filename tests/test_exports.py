@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import probes
-from conftest import ROOT
-from integration_helpers import Agent, one_thread  # noqa: F401
+from tests.conftest import ROOT
+from tests.integration_helpers import Agent, one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

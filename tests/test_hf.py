@@ -11,7 +11,7 @@ from transformers import (BertConfig, BertForSequenceClassification, Trainer, Tr
                           TrainingArguments)
 
 import probes.hf  # noqa: E402
-from integration_helpers import Agent, one_thread  # noqa: E402,F401
+from tests.integration_helpers import Agent, one_thread  # noqa: E402,F401
 from probes.hf import TraindxCallback  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import torch
 
 L = pytest.importorskip("lightning.pytorch")
 
-from integration_helpers import Agent, one_thread  # noqa: E402,F401
+from tests.integration_helpers import Agent, one_thread  # noqa: E402,F401
 from probes.lightning import TraindxCallback  # noqa: E402
 from probes.sinks import MemorySink  # noqa: E402
 

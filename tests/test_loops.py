@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import probes
-from integration_helpers import Agent, one_thread  # noqa: F401
+from tests.integration_helpers import Agent, one_thread  # noqa: F401
 from probes.sinks import MemorySink
 
 pytestmark = pytest.mark.usefixtures("one_thread")
