@@ -48,6 +48,21 @@ def amp_loop(steps: int, with_scaler: bool) -> float:
     return dt
 
 
+def observe_cost(calls: int) -> float:
+    """Seconds per ``ScalerWatch.observe`` call: the watch's whole per-step cost, without the loop's noise."""
+    from probes.amp import ScalerWatch
+
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # creates the scale tensor, as the first scaler.scale(loss) does
+    watch = ScalerWatch(scaler)
+    t0 = time.perf_counter()
+    for i in range(calls):
+        watch.observe(i)
+    dt = (time.perf_counter() - t0) / calls
+    watch.flush({}, None)
+    return dt
+
+
 def metrics_scrape(runs: int, repeats: int) -> tuple[float, float]:
     from fastapi.testclient import TestClient
 
@@ -83,13 +98,17 @@ def main() -> None:
     torch.set_num_threads(1)
     steps, repeats = (300, 5) if args.quick else (2000, 9)
     amp_loop(50, True)  # warm up kernels and lazy imports
-    plain, watched = [], []
-    for _ in range(repeats):
-        plain.append(amp_loop(steps, False))
-        watched.append(amp_loop(steps, True))
-    p, w = statistics.median(plain), statistics.median(watched)
+    arms: dict[str, list[float]] = {"plain": [], "watched": [], "plain again": []}
+    order = list(arms)
+    for r in range(repeats):  # rotate which arm goes first, so drifting load favours none
+        for name in order[r % 3:] + order[:r % 3]:
+            arms[name].append(amp_loop(steps, name == "watched"))
+    p, w, a = (statistics.median(arms[k]) for k in ("plain", "watched", "plain again"))
     print(f"AMP loop, {steps} steps x {repeats}: {p * 1e6:.0f} us/step without scaler=, {w * 1e6:.0f} us/step "
-          f"with scaler= (+{(w - p) * 1e6:.0f} us, ratio {w / p:.3f})")
+          f"with scaler= (ratio {w / p:.3f}); the same arm twice (A/A, the noise floor): ratio {a / p:.3f}")
+    o = statistics.median(observe_cost(steps) for _ in range(repeats))
+    print(f"the watch alone (ScalerWatch.observe, once per step): {o * 1e6:.1f} us/step = "
+          f"{100 * o / p:.2f}% of that loop's step")
     runs = 50 if args.quick else 200
     m, h = metrics_scrape(runs, 20 if args.quick else 50)
     print(f"GET /metrics with {runs} runs: {m * 1e3:.1f} ms median vs GET /health {h * 1e3:.1f} ms "
