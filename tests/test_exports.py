@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import httpx
 import pytest
 import torch
 
 import probes
-from tests.conftest import ROOT
 from tests.integration_helpers import Agent, one_thread  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -76,15 +72,8 @@ def test_prometheus_metrics_parse_with_the_official_parser(faulty):
     assert [s.value for s in _samples(om, "traindx_run_open_anomalies", run)] == [1]
 
 
-def _export(*args: str) -> subprocess.CompletedProcess:
-    """`traindx export ...` in a process of its own, as a person would run it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "diag_server.cli", "export", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
-def _export_here(*args: str):  # noqa: ANN202
-    """The same command in this process (click's runner): no second torch import."""
+def _export(*args: str):  # noqa: ANN202
+    """`traindx export ...`, run by click's runner in this process (a new process would import torch again)."""
     from click.testing import CliRunner
 
     from diag_server.cli import main
@@ -98,8 +87,8 @@ def test_tensorboard_export_reads_back_with_tensorboards_event_reader(faulty, tm
     srv, run = faulty
     out = tmp_path / "tb"
     done = _export(run, "--tensorboard", str(out), "--data", str(srv.data_dir))
-    assert done.returncode == 0, done.stderr
-    assert "histograms" in done.stdout
+    assert done.exit_code == 0, done.output
+    assert "histograms" in done.output
 
     ea = EventAccumulator(str(out / run), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
     ea.Reload()
@@ -117,7 +106,7 @@ def test_tensorboard_export_reads_back_with_tensorboards_event_reader(faulty, tm
     assert "anomalies/text_summary" in tags["tensors"]
 
     # Exporting again replaces the earlier export instead of doubling every point.
-    assert _export_here(run, "--tensorboard", str(out), "--data", str(srv.data_dir)).exit_code == 0
+    assert _export(run, "--tensorboard", str(out), "--data", str(srv.data_dir)).exit_code == 0
     ea = EventAccumulator(str(out / run), size_guidance={"scalars": 0})
     ea.Reload()
     assert len(ea.Scalars("loss")) == 20
@@ -125,8 +114,8 @@ def test_tensorboard_export_reads_back_with_tensorboards_event_reader(faulty, tm
 
 def test_export_of_an_unknown_run_says_so(faulty, tmp_path):
     srv, _ = faulty
-    done = _export_here("no-such-run", "--tensorboard", str(tmp_path / "tb"), "--data", str(srv.data_dir))
+    done = _export("no-such-run", "--tensorboard", str(tmp_path / "tb"), "--data", str(srv.data_dir))
     assert done.exit_code == 1 and "no run named 'no-such-run'" in done.output
     assert not (tmp_path / "tb").exists()
-    done = _export_here("x", "--tensorboard", str(tmp_path / "tb"), "--data", str(tmp_path / "nothing"))
+    done = _export("x", "--tensorboard", str(tmp_path / "tb"), "--data", str(tmp_path / "nothing"))
     assert done.exit_code == 1 and "no traindx store" in done.output
