@@ -75,6 +75,33 @@ def import_(files: tuple[Path, ...], data_dir: Path) -> None:
 
 
 @main.command()
+@click.argument("run")
+@click.option("--tensorboard", "tensorboard_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Write TensorBoard event files under DIR/RUN (an earlier export there is replaced).")
+@_data_option
+def export(run: str, tensorboard_dir: Path, data_dir: Path) -> None:
+    """Export a run from the store: scalars, tensor statistics, histograms, anomalies and fixes."""
+    from .errors import ApiError
+    from .tensorboard import export_run, open_store_readonly
+
+    try:
+        conn = open_store_readonly(data_dir)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        counts = export_run(conn, run, tensorboard_dir)
+    except ApiError as e:
+        raise click.ClickException(e.message) from None
+    except ImportError as e:
+        raise click.ClickException(f"{e}; the TensorBoard export needs: pip install 'traindx[tensorboard]'") from None
+    finally:
+        conn.close()
+    click.echo(f"{tensorboard_dir / run}: {counts['scalars']} scalar points, {counts['tensor_scalars']} tensor "
+               f"statistics, {counts['histograms']} histograms, {counts['texts']} anomaly/fix notes; "
+               f"open with: tensorboard --logdir {tensorboard_dir}")
+
+
+@main.command()
 @click.option("--steps", type=int, default=1500, show_default=True, help="Training steps.")
 @click.option("--keep", is_flag=True, help="Keep the server running at the end so the data can be browsed.")
 def demo(steps: int, keep: bool) -> None:
