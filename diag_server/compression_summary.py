@@ -1,6 +1,6 @@
-"""Compression recipes from the statistics a run has streamed.
+"""The fallback compression recipe, for runs without the ``fisher`` collection.
 
-This first method works from the per-tensor summaries alone (no per-weight Fisher yet): it models the
+This method works from the per-tensor summaries alone (no per-weight Fisher yet): it models the
 weights of a layer as N(0, sigma_l^2) and the diagonal Fisher of the layer as its mean squared
 gradient F_l, then applies one global Optimal-Brain-Damage threshold tau on the saliency F_l * w^2
 (LeCun et al. 1990). Under that model layer l keeps the weights with |w| >= sqrt(tau / F_l), i.e.
@@ -48,8 +48,6 @@ def _erfinv(y: float) -> float:
 
 
 def recipe(store: Store, run: str, target_sparsity: float) -> CompressionRecipe:
-    if not 0.0 <= target_sparsity < 1.0:
-        raise ApiError(422, "invalid_parameter", f"target_sparsity must be in [0, 1), got {target_sparsity}")
     conn = store.read()
     require_run(conn, run)
     # The latest sample at which every weight was finite: a recipe for a broken model is no use.
