@@ -13,7 +13,8 @@ global sparsity:
           global threshold;
   - ours: the server's recipe (diag_server.compression.plan) from the probe's layer profiles, applied by
           the live 'prune' action (K-FAC OBS saliency and weight update, 4 back-to-back rounds).
-Each is measured right after pruning and after the same 5-epoch fine-tune with masks fixed (ours keeps
+The 80/20 split is the same for every seed (--split-seed 0); the seed varies initialisation and batch
+order. Each is measured right after pruning and after the same 5-epoch fine-tune with masks fixed (ours keeps
 its masks through the prune action's own optimizer hooks). Test MSE is on the original target scale.
 Sizes are real serialised bytes (torch.save) against the dense state_dict and its int8 dynamic
 quantisation; latency is the median forward time of a 256-row batch, arms alternated.
@@ -181,10 +182,10 @@ def latency(models: dict, x: torch.Tensor, repeats: int = 7) -> dict:
 
 
 # -- one seed -------------------------------------------------------------------------------------
-def run_seed(name: str, seed: int, epochs: int | None, ft_epochs: int) -> dict:
+def run_seed(name: str, seed: int, epochs: int | None, ft_epochs: int, split_seed: int | None) -> dict:
     loader, batch, default_epochs = DATASETS[name]
     x, y = loader()
-    split = Split(x, y, seed)
+    split = Split(x, y, seed if split_seed is None else split_seed)
     torch.manual_seed(seed)
     dense = mlp(x.shape[1])
     opt = torch.optim.Adam(dense.parameters(), 1e-3)
@@ -287,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--epochs", type=int, default=None, help="Training epochs (default: per dataset).")
     ap.add_argument("--ft-epochs", type=int, default=5)
+    ap.add_argument("--split-seed", type=int, default=0,
+                    help="One train/test split for every seed (seeds vary init and batch order); -1: a split per seed.")
     ap.add_argument("--quick", action="store_true", help="One seed, California only, 20 epochs.")
     ap.add_argument("--json", type=Path, help="Also write the raw results here.")
     args = ap.parse_args(argv)
@@ -296,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for ds in args.datasets:
         for seed in args.seeds:
-            r = run_seed(ds, seed, args.epochs, args.ft_epochs)
+            r = run_seed(ds, seed, args.epochs, args.ft_epochs, None if args.split_seed < 0 else args.split_seed)
             print(f"{ds} seed {seed}: dense {r['dense']:.4f}; " + ", ".join(
                 f"{k} {v['no_ft']:.4f}/{v['ft']:.4f}" for k, v in r["arms"].items()), flush=True)
             results.append(r)
