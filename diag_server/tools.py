@@ -123,9 +123,9 @@ def build_mcp(services: Services, version: str) -> MCPServer:
     async def compression_recipe(
         run: RunArg,
         target_sparsity: Annotated[float, Field(ge=0.0, lt=1.0, description="Fraction of all weights to zero.")] = 0.8,
-        target_bytes: Annotated[int | None, Field(gt=0, description="Size budget in bytes instead of a sparsity.")] = None,
-        structure: Annotated[Literal["unstructured", "channels"], Field(description="Prune single weights or "
-                                                                                    "whole output channels.")] = "unstructured",
+        target_bytes: Annotated[int | None, Field(gt=0, description="A size budget in bytes instead.")] = None,
+        structure: Annotated[Literal["unstructured", "channels"],
+                             Field(description="Prune single weights or whole output channels.")] = "unstructured",
     ) -> CompressionRecipe:
         """A per-layer recipe (sparsity and precision fp32/fp16/bf16/int8) meeting the target sparsity or
         size at the least predicted loss increase, from the run's Fisher profiles (the 'fisher' collection;
@@ -140,6 +140,7 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         run: RunArg, ctx: Context,
         target_sparsity: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.8,
         target_bytes: Annotated[int | None, Field(gt=0)] = None,
+        structure: Literal["unstructured", "channels"] = "unstructured",
         rounds: Annotated[int, Field(ge=1, le=1000, description="Gradual pruning: rounds on a cubic ramp.")] = 1,
         every: Annotated[int, Field(ge=0, description="Steps between two rounds; 0: all rounds at once.")] = 1,
     ) -> Fix:
@@ -147,7 +148,7 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         job picks masks by Fisher saliency (OBS update where it has K-FAC factors) and keeps them for the
         rest of training, so it fine-tunes under them. revert_fix restores the weights."""
         return await _call(compression.propose_prune, store, run, target_sparsity, target_bytes=target_bytes,
-                           rounds=rounds, every=every, actor=_actor(ctx))
+                           structure=structure, rounds=rounds, every=every, actor=_actor(ctx))
 
     @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
                                              open_world_hint=False))

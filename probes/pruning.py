@@ -146,9 +146,9 @@ def layer_profile(name: str, w: torch.Tensor, curv: Curvature | None, grid: tupl
     """The wire form of one weight's predicted loss increase per sparsity, per channel sparsity, per cast."""
     s = saliency(w, curv)
     f = _fisher_diag(w, curv)
+    method = "magnitude" if curv is None else ("obs-kfac" if curv.kfac else "obd-diagonal")
     return {
-        "name": name, "numel": w.numel(), "shape": list(w.shape),
-        "method": "obs-kfac" if curv is not None and curv.kfac else ("obd-diagonal" if curv is not None else "magnitude"),
+        "name": name, "numel": w.numel(), "shape": list(w.shape), "method": method,
         "fisher_mean": float(f.mean()), "saliency_mean": float(s.mean()),
         "sparsities": list(grid), "unstructured": _curve(s, grid), "channels": _curve(channel_saliency(w, curv), grid),
         "precision": {p: cast_loss(w, curv, p) for p in ("fp16", "bf16", "int8")},
