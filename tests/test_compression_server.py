@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 
+import anyio
 import httpx
 import jsonschema
 import torch
 from lxml import etree
+from mcp import Client
 
 import probes
 from diag_server.xml import xsd_schema
@@ -15,6 +17,11 @@ from probes.fisher import find
 from schemas import export
 
 from test_compression_probe import data, tiny  # noqa: E402 - tests/ is on sys.path under pytest
+
+
+async def _mcp_recipe(url: str):
+    async with Client(url) as client:
+        return await client.call_tool("compression_recipe", {"run": "cx-1", "target_sparsity": 0.6})
 
 
 def _until(probe, model, opt, x, y, check, timeout: float = 20.0):
@@ -60,6 +67,9 @@ def test_recipe_sensitivity_and_live_prune_through_the_http_api(server, tmp_path
     assert sized["predicted_size_bytes"] <= recipe["dense_size_bytes"] // 6
     bad = api.get("/v1/runs/cx-1/compression", params={"target_sparsity": 1.5})
     assert bad.status_code == 422 and bad.json()["error"] == "invalid_request"
+    # The same recipe over MCP, as an agent asks for it.
+    tool = anyio.run(_mcp_recipe, f"{server.url}/mcp")
+    assert not tool.is_error and tool.structured_content["layers"] == recipe["layers"]
 
     # Sensitivity on request: the job measures on its held batch; the next recipe is calibrated by it.
     probe.set_held_batch(x[:128], y[:128], torch.nn.functional.mse_loss)
