@@ -156,6 +156,29 @@ def replay(session: Path, against: str, run_job: bool, timeout: float, data_dir:
 
 
 @main.command()
+@click.option("--checkpoint", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A state_dict (or {'state_dict': ...}) saved with torch.save; a whole nn.Module with --trust-checkpoint.")
+@click.option("--recipe", "recipe_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A CompressionRecipe as JSON (GET /v1/runs/RUN/compression, or the compression_recipe tool).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Where to write the small file.")
+@click.option("--trust-checkpoint", is_flag=True, help="Unpickle a whole nn.Module (only for files you trust); "
+              "enables the latency measurement.")
+def compress(checkpoint: Path, recipe_path: Path, out: Path, trust_checkpoint: bool) -> None:
+    """Apply a recipe to a checkpoint: bitmask + kept values (int8 where chosen); print sizes and latency."""
+    import json
+
+    from .compress import CompressError, compress as run_compress
+
+    try:
+        report = run_compress(checkpoint, recipe_path, out, trust=trust_checkpoint)
+    except CompressError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(report, indent=2))
+    click.echo(f"{out}: {report['compressed_bytes']} bytes, {report['ratio']:.3f}x of the dense state_dict "
+               f"({report['dense_state_dict_bytes']} bytes)", err=True)
+
+
+@main.command()
 @click.option("--check", is_flag=True, help="Exit 1 if the checked-in schema files differ from the models.")
 def schemas(check: bool) -> None:
     """Write (or --check) schemas/traindx.schema.json and schemas/traindx.xsd from the models."""

@@ -355,3 +355,6 @@ class System(Collection):
 COLLECTIONS: dict[str, type[Collection]] = {
     c.name: c for c in (Weights, Gradients, Updates, Activations, System)
 }
+
+from .fisher import Fisher  # noqa: E402 - opt-in curvature for compression; it subclasses Collection above
+COLLECTIONS[Fisher.name] = Fisher

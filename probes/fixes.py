@@ -260,6 +260,10 @@ ACTIONS: dict[str, Callable[..., Applied]] = {
 }
 _HOOKED = {"grad_clip", "skip_nonfinite", "grad_scale"}
 
+from .compress_actions import prune, sensitivity  # noqa: E402 - they build on the helpers above
+ACTIONS.update(prune=prune, sensitivity=sensitivity)
+_HOOKED.add("prune")
+
 
 def apply(action: str, target: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
     fn = ACTIONS.get(action)

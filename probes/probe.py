@@ -71,6 +71,9 @@ class Probe:
         flush_interval: float = 0.25,
         scaler: Any = None,
         scheduler: Any = None,
+        fisher_modules: Iterable[str] | None = None,
+        fisher_decay: float | None = None,
+        fisher_max_elements: int | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"probes.attach needs an nn.Module, got {type(model).__name__}")
@@ -86,6 +89,10 @@ class Probe:
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.allow = self._parse_allow(allow)
+        # Options of the opt-in 'fisher' collection (probes/fisher.py); read when it is built below.
+        self.fisher_modules = list(fisher_modules) if fisher_modules is not None else None
+        self.fisher_decay, self.fisher_max_elements = fisher_decay, fisher_max_elements
+        self.held_batch: tuple | None = None
         self.collections: list[Collection] = []
         wanted = collections if collections is not None else DEFAULT_COLLECTIONS
         items = wanted.items() if isinstance(wanted, Mapping) else ((c, None) for c in wanted)
@@ -203,6 +210,10 @@ class Probe:
                 fn()
         except Exception as e:  # noqa: BLE001
             self._degrade("before_optimizer_step", e)
+
+    def set_held_batch(self, inputs: Any, targets: Any, loss_fn: Any) -> None:
+        """A fixed batch the 'sensitivity' action measures the loss on: ``loss_fn(model(inputs), targets)``."""
+        self.held_batch = (inputs, targets, loss_fn)
 
     def set_interval(self, interval: int) -> None:
         self.interval = interval
