@@ -171,4 +171,26 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         return await _call(queries.series, store, run, name, collection=collection, field=field,
                            max_points=max_points)
 
+    @server.resource("traindx://runs/{run}/report", mime_type="text/plain",
+                     description="The run's diagnosis as a report a person can read.")
+    async def run_report(run: str) -> str:
+        return (await _call(diagnosis.diagnose, store, run)).report
+
+    @server.resource("traindx://schema", mime_type="application/schema+json",
+                     description="The JSON Schema of every event and record (schemas/traindx.schema.json).")
+    def contract_schema() -> str:
+        import json
+
+        from schemas.export import json_schema
+
+        return json.dumps(json_schema())
+
+    @server.prompt(description="Find what is wrong with a training run and fix it, step by step.")
+    def triage_run(run: str) -> str:
+        return (f"Training run {run!r} is being watched by traindx. 1) Call get_anomalies(run={run!r}, "
+                "status='open') and read the most severe. 2) Call diagnose to find the root cause. 3) Call "
+                "propose_fix for the root cause's anomaly and apply_fix with the first live proposal the job allows. "
+                "4) Poll get_fix_status until it is effective or ineffective; if ineffective, revert_fix and try "
+                "the next proposal. Report what you found, what you changed (before -> after) and the verdict.")
+
     return server
