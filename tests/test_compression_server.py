@@ -16,7 +16,7 @@ from diag_server.xml import xsd_schema
 from probes.fisher import find
 from schemas import export
 
-from test_compression_probe import data, tiny  # noqa: E402 - tests/ is on sys.path under pytest
+from tests.test_compression_probe import data, tiny  # noqa: E402
 
 
 async def _mcp_recipe(url: str):
