@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from . import fixes
+from .snapshot import Snapshots
 from .collect import COLLECTIONS, Collection, HostCopy
 from .sender import Sender
 from .sinks import FileSink, HttpSink, Sink
@@ -66,6 +67,7 @@ class Probe:
         token: str | None = None,
         spool_dir: str | os.PathLike | None = None,
         flush_interval: float = 0.25,
+        rules: Mapping[str, Mapping[str, float] | bool] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"probes.attach needs an nn.Module, got {type(model).__name__}")
@@ -103,6 +105,8 @@ class Probe:
         self._applied: dict[str, fixes.Applied] = {}
         self._seen_commands: set[tuple[str, str]] = set()
         self._skipped_steps = 0
+        self._snapshots = Snapshots(model, self.params)
+        self.rules = _rule_config(rules)
 
         self._step = 0
         self._closed = False
@@ -149,6 +153,9 @@ class Probe:
                 self._flush_scalars()
             if self._inbox:
                 self._apply_commands(step)
+            if self._snapshots._waiting:
+                for ev in self._snapshots.poll():
+                    self.sender.put(ev)
             self._step = step + 1
             self._arm(step + 1)
         except Exception as e:  # noqa: BLE001 - the training job comes first
@@ -187,6 +194,7 @@ class Probe:
                 c.close()
             for h in list(self._target.hooks.values()):
                 h.remove()
+            self._snapshots.close()
             self._flush_scalars()
             self._drain_in_flight(wait=True)
             self.sender.put({"kind": "run_end", "step": self._step, "time": time.time(), "reason": "closed"})
@@ -272,6 +280,11 @@ class Probe:
             if key in self._seen_commands:
                 continue  # the server resends until it sees our ack; apply once
             self._seen_commands.add(key)
+            if key[1] == "snapshot":
+                ev = self._snapshots.request(cmd, step)
+                if ev is not None:
+                    self.sender.put(ev)
+                continue
             self.sender.put(self._run_command(cmd, step))
 
     def _run_command(self, cmd: dict, step: int) -> dict:
@@ -316,7 +329,7 @@ class Probe:
             "optimizer": opt, "torch_version": torch.__version__, "device": str(self.device),
             "world_size": int(os.environ.get("WORLD_SIZE", "1")), "rank": int(os.environ.get("RANK", "0")),
             "host": socket.gethostname(), "allow": sorted(self.allow),
-            "config": {"interval": self.interval, "collections": [c.name for c in self.collections]},
+            "config": {"interval": self.interval, "collections": [c.name for c in self.collections], **self.rules},
         })
 
     def _degrade(self, where: str, err: Exception) -> None:
@@ -334,6 +347,25 @@ class Probe:
             log.warning("traindx: %d probe errors; sampling switched off for this run", self._errors)
             self.collections = []
             self._due = []
+
+
+def _rule_config(rules: Mapping[str, Mapping[str, float] | bool] | None) -> dict:
+    """``{"dead_relu": {"threshold": 0.8}, "oscillating_loss": False}`` -> the run start's flat config keys."""
+    out: dict[str, Any] = {}
+    disabled = []
+    for rule, setting in (rules or {}).items():
+        if setting is False:
+            disabled.append(str(rule))
+        elif isinstance(setting, Mapping):
+            for param, value in setting.items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"rules[{rule!r}][{param!r}] must be a number, got {value!r}")
+                out[f"rules.{rule}.{param}"] = float(value)
+        elif setting is not True:
+            raise ValueError(f"rules[{rule!r}] must be a dict of parameters, or False to disable it")
+    if disabled:
+        out["rules.disable"] = disabled
+    return out
 
 
 def _hyper(v: Any) -> Any:

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .enums import AnomalyKind, AnomalyStatus, FixAction, FixStatus, Severity
-from .events import Finite, Number, Params, RunId, Time
+from .events import Finite, Number, Params, RunId, TensorSlice, Time
 
 
 class _Record(BaseModel):
@@ -29,6 +29,8 @@ class Anomaly(_Record):
     rule: str = Field(description="Name of the rule that raised it.")
     created_at: Time
     updated_at: Time
+    snapshot: list[TensorSlice] = Field(default_factory=list, description="Slices of the offending tensors, taken "
+                                        "by the job when the anomaly opened critical (evidence on demand).")
 
 
 class AnomalyPage(_Record):
