@@ -57,7 +57,7 @@ class Engine:
     def _build(self, overrides: dict[str, dict[str, Any]], disabled: set[str]) -> list[Rule]:
         classes = [*BUILTIN, *self.settings.extra_rules]
         known = {c.name for c in classes}
-        unknown = (set(overrides) | disabled) - known
+        unknown = (set(overrides) | disabled | set(self.settings.rule_params) | self.settings.disabled) - known
         if unknown:
             raise ValueError(f"no rule named {sorted(unknown)}; rules: {sorted(known)}")
         return [cls(**{**self.settings.rule_params.get(cls.name, {}), **overrides.get(cls.name, {})})

@@ -174,6 +174,52 @@ class Probe:
         except Exception as e:  # noqa: BLE001
             self._degrade("log", e)
 
+    def report(self, *, file: Any = None, timeout: float = 10.0) -> str:
+        """Print the run's diagnosis and return it as text.
+
+        Asked of the server when the probe sends to one; with no server (``server=False``, or a server that
+        cannot be reached) the same rules run here over the run's local events, importing the server's
+        code only now. Never raises: a failure is described in the returned text.
+        """
+        import sys
+
+        try:
+            if not self._closed:
+                self.flush(timeout)
+            text = self._server_report(timeout) or self._local_report()
+        except Exception as e:  # noqa: BLE001 - a report must not break the job
+            text = f"traindx: no report for run {self.run}: {type(e).__name__}: {e}"
+        print(text, file=file or sys.stdout)
+        return text
+
+    def _server_report(self, timeout: float) -> str | None:
+        sink = self.sender.sink
+        if not isinstance(sink, HttpSink):
+            return None
+        import httpx
+
+        try:
+            r = httpx.get(f"{sink.server}/v1/runs/{self.run}/diagnosis", timeout=timeout,
+                          headers={"accept": "application/json", **({"authorization": sink._client.headers["authorization"]}
+                                                                    if "authorization" in sink._client.headers else {})})
+        except httpx.HTTPError:
+            return None
+        return r.json().get("report") if r.status_code == 200 else None
+
+    def _local_report(self) -> str:
+        sink = self.sender.sink
+        from diag_server import local  # only here: a training job never imports the server otherwise
+
+        if isinstance(sink, FileSink):
+            return local.diagnose_file(sink.path, self.run)
+        batches = getattr(sink, "batches", None)
+        if batches is not None:  # MemorySink
+            return local.diagnose_batches(list(batches), self.run)
+        spool = self.sender.spool_path
+        if spool.exists():  # the server was never reached: what it would have got is in the spool
+            return local.diagnose_file(spool, self.run)
+        return f"traindx: no report for run {self.run}: the server cannot be reached and no events are kept locally"
+
     def set_interval(self, interval: int) -> None:
         self.interval = interval
         for c in self.collections:

@@ -152,6 +152,10 @@ class Diagnosis(_Record):
     summary: str
     causes: list[Cause]
     report: str = Field(description="The same, as text a person can read.")
+    context: list[str] = Field(default_factory=list, description="Where the first problem began (first step, first "
+                               "tensor in forward order) and what changed just before it (learning rate, a fix, data).")
+    history: list[str] = Field(default_factory=list, description="Departures from the run's own healthy stretch and "
+                               "from earlier runs of the same model structure, naming the run compared against.")
 
 
 class Health(_Record):

@@ -78,7 +78,7 @@ class Rule:
         unknown = set(overrides) - set(self.params)
         if unknown:
             raise ValueError(f"rule {self.name!r} has no parameter {sorted(unknown)}; it has {sorted(self.params)}")
-        self.p = SimpleNamespace(**{k: v.default for k, v in self.params.items()}, **overrides)
+        self.p = SimpleNamespace(**{**{k: v.default for k, v in self.params.items()}, **overrides})
 
     def initial_state(self) -> dict:
         return {}

@@ -122,7 +122,7 @@ class MemoryGrowth(Rule):
                 ups = sum(1 for c in changes if c > 0) / len(changes)
                 if growth > self.p.min_growth_mb and ups >= self.p.monotone:
                     rate = growth / max(hist[-1][0] - hist[0][0], 1)
-                    what = "host memory (RSS)" if name == "sys/rss_mb" else "CUDA allocated memory"
+                    what = "Host memory (RSS)" if name == "sys/rss_mb" else "CUDA allocated memory"
                     out = [f for f in out if f.key != name] + [Finding(
                         AnomalyKind.memory_growth, Severity.warning, step, key=name, tensors=[name],
                         message=(f"{what} grew {growth:.0f} MB over steps {hist[0][0]}-{step} "
