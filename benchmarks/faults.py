@@ -326,6 +326,16 @@ def record(case: Case, seed: int = 0, *, interval: int = INTERVAL, **attach_kwar
     return sink.events
 
 
+_CACHE: dict[tuple[str, int], list[dict]] = {}
+
+
+def recorded(name: str, seed: int = 0) -> list[dict]:
+    """``record`` once per process: tests that look at the same run share its events."""
+    if (name, seed) not in _CACHE:
+        _CACHE[name, seed] = record(CASES[name], seed)
+    return _CACHE[name, seed]
+
+
 @dataclass
 class Opened:
     id: str

@@ -56,6 +56,7 @@ DEPARTURE = {"step_time": 2.0, "loss": 1.5, "grad_norm": 3.0}
 
 def _explains(cause: Anomaly, effect: Anomaly) -> bool:
     return (cause.id != effect.id and effect.kind in CAUSES.get(cause.kind, set())
+            and (cause.severity.value != "info" or effect.severity.value == "info")
             and cause.first_step <= effect.first_step <= cause.first_step + CONSEQUENCE_WINDOW)
 
 

@@ -14,9 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.faults import FAULTS, HEALTHY, INTERVAL, alarms, by_step, record, replay  # noqa: E402
-
-_RECORDED: dict[str, list[dict]] = {}
+from benchmarks.faults import FAULTS, HEALTHY, INTERVAL, alarms, by_step, record, recorded, replay  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +26,7 @@ def one_thread():
 
 
 def events_of(case) -> list[dict]:
-    if case.name not in _RECORDED:
-        _RECORDED[case.name] = record(case, seed=0)
-    return _RECORDED[case.name]
+    return recorded(case.name, 0)
 
 
 @pytest.mark.parametrize("case", FAULTS, ids=lambda c: c.name)

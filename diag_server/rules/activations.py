@@ -33,7 +33,9 @@ class DeadRelu(Rule):
     def observe(self, state: dict, obs: Observations) -> list[Finding]:
         out: list[Finding] = []
         for step, rows in obs.sampled("activations"):
-            dead = [(r["name"], r["dead_frac"]) for r in rows if r.get("dead_frac") is not None]
+            # NaN is not > 0, so a layer full of NaN would look dead: that is the nonfinite rule's business.
+            dead = [(r["name"], r["dead_frac"]) for r in rows if r.get("dead_frac") is not None
+                    and not (r.get("nan_count") or r.get("inf_count"))]
             # A layer that is (nearly) all dead is flagged at once; a partly dead one must stay so.
             held = [(n, f) for n, f in dead if streak(state, n, f > self.p.threshold) >= self.p.patience
                     or f >= self.p.critical]
@@ -67,7 +69,8 @@ class SaturatedActivation(Rule):
         types = obs.module_types()
         for step, rows in obs.sampled("activations"):
             sat = [(r["name"], r["saturated_frac"]) for r in rows if r.get("saturated_frac") is not None
-                   and types.get(r["name"]) not in ("Softmax",)]  # softmax near 0/1 is its job
+                   and types.get(r["name"]) not in ("Softmax",)  # softmax near 0/1 is its job
+                   and not (r.get("nan_count") or r.get("inf_count"))]
             held = [(n, f) for n, f in sat if streak(state, n, f > self.p.threshold) >= self.p.patience]
             if not held:
                 continue
