@@ -109,6 +109,8 @@ def _context(conn: sqlite3.Connection, run: str, first_step: int | None) -> list
         first_step = min(first_step, bad["step"]) if first_step is not None else bad["step"]
     if first_step is None:
         return out
+    # Growth is measured up to where values went bad (or a little after the first anomaly).
+    growth_until = bad["step"] if bad else first_step + 50
     lo = max(first_step - 200, 0)
     lr = conn.execute("SELECT step, value FROM scalars WHERE run=? AND name='lr/group0' AND step<=? AND step>=? "
                       "ORDER BY step", (run, first_step, lo)).fetchall()
@@ -119,7 +121,7 @@ def _context(conn: sqlite3.Connection, run: str, first_step: int | None) -> list
     for r in conn.execute("SELECT id, action, applied_step, params FROM fixes WHERE run=? AND applied_step IS NOT NULL "
                           "AND applied_step<=? AND applied_step>=?", (run, first_step, lo)):
         out.append(f"fix {r['id']} ({r['action']} {r['params']}) was applied at step {r['applied_step']}")
-    growth = _grad_growth(conn, run, first_step)
+    growth = _grad_growth(conn, run, growth_until)
     if growth:
         out.append(growth)
     shift = _input_shift(conn, run, first_step)
@@ -172,19 +174,25 @@ def _grad_growth(conn: sqlite3.Connection, run: str, step: int) -> str | None:
     base, peak = median(healthy), max(recent or [0.0])
     if base > 0 and peak > 3 * base:
         at = [s for s, g in norms if g == peak][0]
-        return (f"the gradient norm grew {peak / base:.0f}x (from a median {base:.3g} to {peak:.3g}) over steps "
+        return (f"the gradient norm grew {peak / base:.3g}x (from a median {base:.3g} to {peak:.3g}) over steps "
                 f"{max(step - 50, 0)}-{at}")
     return None
 
 
 def _input_shift(conn: sqlite3.Connection, run: str, step: int) -> str | None:
-    rows = conn.execute("SELECT step, mean, std, nan_count FROM stats WHERE run=? AND collection='activations' "
-                        "AND tensor='<input>' AND step<=? ORDER BY step", (run, step + 10)).fetchall()
+    rows = conn.execute("SELECT step, mean, std, nan_count, inf_count FROM stats WHERE run=? AND "
+                        "collection='activations' AND tensor='<input>' AND step<=? ORDER BY step",
+                        (run, step + 10)).fetchall()
+    bad = [r for r in rows if r["nan_count"] or r["inf_count"]]
+    if bad:
+        later = [r for r in rows if r["step"] > bad[0]["step"]]
+        clean_after = bool(later) and not any(r["nan_count"] or r["inf_count"] for r in later)
+        return (f"the model's input itself held {bad[0]['nan_count'] + bad[0]['inf_count']} NaN/Inf value(s) at step "
+                f"{bad[0]['step']}" + (": one bad batch (later inputs are clean), so check the data pipeline for "
+                                       "that record" if clean_after else ": check the data pipeline"))
     if len(rows) < 2:
         return None
     last = rows[-1]
-    if last["nan_count"]:
-        return f"the model's input held {last['nan_count']} NaN value(s) at step {last['step']}: a bad batch"
     before = [r["std"] for r in rows[:-1] if r["std"] is not None]
     if before and last["std"] is not None and median(before) > 0:
         ratio = last["std"] / median(before)
