@@ -136,7 +136,7 @@ def test_diagnosis_links_consequences_and_compares_with_an_earlier_run_of_the_sa
     store = Store(tmp_path)
     try:
         d = diagnose(store, "after")
-        assert d.causes[0].kind.value == "dataloader_bottleneck"
+        assert d.causes[0].kind.value == "dataloader_bottleneck", d.report
         assert any("earlier run 'before'" in h and "step time" in h for h in d.history), d.history
         assert "Compared with history" in d.report
     finally:
@@ -147,8 +147,8 @@ def test_diagnosis_links_consequences_and_compares_with_an_earlier_run_of_the_sa
     try:
         d = diagnose(store, "lr")
         first = d.causes[0]
-        assert first.step == 100 and first.kind.value in ("abnormal_update_ratio", "exploding_gradient")
-        assert {a.id for a in deep if a.kind in ("nonfinite", "loss_divergence")} <= set(first.consequences)
-        assert any("learning rate changed from 0.02 to 2" in c for c in d.context)
+        assert first.step == 100 and first.kind.value in ("abnormal_update_ratio", "exploding_gradient"), d.report
+        assert {a.id for a in deep if a.kind in ("nonfinite", "loss_divergence")} <= set(first.consequences), d.report
+        assert any("learning rate changed from 0.02 to 2" in c for c in d.context), d.report
     finally:
         store.close()

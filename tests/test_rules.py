@@ -101,8 +101,8 @@ def test_anomaly_lifecycle_open_advance_resolve_reopen(tmp_path):
 
     for i, step in enumerate(range(0, 35, 5)):
         _feed(store, engine, "life", [at(step, True)], i + 1)
-        if step == 10:
-            assert [(r["status"], r["first_step"], r["last_step"]) for r in rows()] == [("open", 5, 10)]
+        if step == 15:
+            assert [(r["status"], r["first_step"], r["last_step"]) for r in rows()] == [("open", 10, 15)]
     assert [(r["status"], r["last_step"]) for r in rows()] == [("open", 30)]  # advanced, never duplicated
     for i, step in enumerate(range(35, 80, 5)):
         _feed(store, engine, "life", [at(step, False)], 20 + i)

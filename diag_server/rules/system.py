@@ -29,7 +29,10 @@ class DataloaderBottleneck(Rule):
                           "data wait / step time above this is a bottleneck"),
         "min_wait": Param(0.005, "measurement here: in-memory batching takes < 1.5 ms in the suite",
                           "seconds of data wait below which nothing is flagged"),
-        "patience": Param(2, "measurement here: one sample can catch a stray pause", "consecutive samples"),
+        "patience": Param(3, "measurement here: on a CPU loaded 6x over, healthy runs showed 2 consecutive "
+                          "samples of scheduler pauses", "consecutive samples"),
+        "spread": Param(3.0, "measurement here: a 10 ms loader's wait varies < 1.3x between samples",
+                        "largest / smallest wait over those samples; above it the waits are noise"),
     }
 
     def observe(self, state: dict, obs: Observations) -> list[Finding]:
@@ -42,8 +45,15 @@ class DataloaderBottleneck(Rule):
             # A slow input pipeline slows every step, so the interval's mean step time includes its wait;
             # a wait longer than that mean was a one-off pause on the measured step (the OS, a GC), not a
             # bottleneck (measurement here: such pauses reach 9 ms on a loaded 2-core machine).
-            steady = frac <= 1.0
-            if streak(state, "streak", steady and frac > self.p.fraction and wait > self.p.min_wait) < self.p.patience:
+            if frac > 1.0:
+                continue  # neither evidence nor counter-evidence
+            waits = state.setdefault("waits", [])
+            if frac > self.p.fraction and wait > self.p.min_wait:
+                push(waits, wait, int(self.p.patience))
+            else:
+                waits.clear()
+            # A slow loader costs about the same every step; a starved CPU makes erratic pauses.
+            if len(waits) < self.p.patience or max(waits) > self.p.spread * min(waits):
                 continue
             out = [Finding(AnomalyKind.dataloader_bottleneck, Severity.warning, step,
                            message=(f"{frac:.0%} of a step ({wait * 1e3:.1f} ms of {total * 1e3:.1f} ms) is spent "
