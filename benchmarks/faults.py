@@ -104,7 +104,7 @@ def too_high_lr(attach, seed):
         if step == 100:  # someone "speeds up" training mid-run
             for g in opt.param_groups:
                 g["lr"] = 2.0
-    _loop(attach, model, opt, nn.MSELoss(), _batches(x, y, 64, seed), 160, before_step=raise_lr)
+    _loop(attach, model, opt, nn.MSELoss(), _batches(x, y, 64, seed), 130, before_step=raise_lr)
 
 
 def nan_batch(attach, seed):
@@ -250,7 +250,7 @@ def healthy_cnn_digits(attach, seed):
                           nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                           nn.Flatten(), nn.Linear(32 * 2 * 2, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    _loop(attach, model, opt, nn.CrossEntropyLoss(), _batches(x[:-300], y[:-300], 32, seed), 200, val=val)
+    _loop(attach, model, opt, nn.CrossEntropyLoss(), _batches(x[:-300], y[:-300], 32, seed), 150, val=val)
 
 
 class _TinyTransformer(nn.Module):
@@ -280,7 +280,7 @@ def healthy_transformer(attach, seed):
 
     def loss_fn(out, y):
         return nn.functional.cross_entropy(out.reshape(-1, vocab), y.reshape(-1))
-    _loop(attach, model, opt, loss_fn, data(), 150)
+    _loop(attach, model, opt, loss_fn, data(), 120)
 
 
 FAULTS: list[Case] = [
