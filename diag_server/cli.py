@@ -75,9 +75,14 @@ def mcp(data_dir: Path) -> None:
 def import_(files: tuple[Path, ...], data_dir: Path) -> None:
     """Load event files (written with server=False, or a probe's spool) into the store. Idempotent."""
     from .importer import import_file
+    from .rule_config import engine_settings
     from .services import Services, Settings
 
-    services = Services(Settings(data_dir=data_dir))
+    try:
+        engine = engine_settings()  # TRAINDX_RULES / TRAINDX_RULE_PARAMS / TRAINDX_DISABLE_RULES, as for serve
+    except (ValueError, ImportError) as e:
+        raise click.BadParameter(str(e), param_hint="TRAINDX_RULES") from None
+    services = Services(Settings(data_dir=data_dir, engine=engine))
     try:
         for f in files:
             n, dup, bad = import_file(services, f)

@@ -47,7 +47,7 @@ class Snapshots:
         ev = {"kind": "tensor_snapshot", "step": step, "time": time.time(), "request_id": str(cmd.get("fix_id")),
               "tensors": [], "missing": []}
         handles: list[Any] = []
-        pending = {"event": ev, "handles": handles, "left": 0}
+        pending = {"event": ev, "handles": handles, "left": 0, "done": set()}
         for name in names:
             if name in self.params:
                 p = self.params[name]
@@ -67,10 +67,18 @@ class Snapshots:
 
     def _arm(self, name: str, limit: int, pending: dict) -> Any:
         def record(y: Any) -> None:
-            if isinstance(y, (tuple, list)) and y:
-                y = y[0]
-            if isinstance(y, torch.Tensor) and len(pending["event"]["tensors"]) < 16:
-                pending["event"]["tensors"].append(tensor_slice(name, "activation", y, limit))
+            try:  # runs inside the model's forward: it must never raise there
+                if pending["left"] <= 0 or name in pending["done"]:
+                    return
+                pending["done"].add(name)
+                if isinstance(y, (tuple, list)) and y:
+                    y = y[0]
+                if isinstance(y, torch.Tensor) and len(pending["event"]["tensors"]) < 16:
+                    pending["event"]["tensors"].append(tensor_slice(name, "activation", y, limit))
+                else:
+                    pending["event"]["missing"].append(name)
+            except Exception:  # noqa: BLE001
+                pending["event"]["missing"].append(name)
             pending["left"] -= 1
 
         if name == "<input>":
