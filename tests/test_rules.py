@@ -134,3 +134,20 @@ def test_rule_settings_from_flags_and_environment():
         engine_settings([], ["overfitting=0.2"], [], env={})
     with pytest.raises(ValueError, match="not a Rule subclass"):
         engine_settings(["diag_server.rules.base:median"], [], [], env={})
+
+
+def test_overfitting_holds_between_rare_validations():
+    """Validation every 100 steps, sampling every 10: one anomaly that holds, not one per evaluation."""
+    from diag_server.rules.loss import Overfitting
+
+    rule = Overfitting()
+    state = rule.initial_state()
+    findings = []
+    for lo in range(0, 600, 50):  # batches of 50 steps
+        obs = Observations(run="r", interval=10)
+        obs.scalars["loss"] = [(s, 2.0 / (1 + s / 50)) for s in range(lo, lo + 50)]
+        obs.scalars["val_loss"] = [(s, 2.0 if s == 0 else 2.0 + s / 100) for s in range(lo, lo + 50) if s % 100 == 0]
+        findings += [(lo, f.step) for f in rule.observe(state, obs)]
+    batches = sorted({lo for lo, _ in findings})
+    assert batches == list(range(batches[0], 600, 50))  # reported in every batch once it began
+    assert batches[0] <= 200

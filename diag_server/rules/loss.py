@@ -174,23 +174,30 @@ class Overfitting(Rule):
                 continue
             if what == "train":
                 state["train"] = value if state["train"] is None else 0.8 * state["train"] + 0.2 * value
+                held = state.get("holding")
+                if held:  # validation runs rarely: the finding holds until the next evaluation says otherwise
+                    out = [Finding(AnomalyKind.overfitting, Severity.warning, step, message=held["message"],
+                                   evidence=held["evidence"])]
                 continue
             if state["first"] is None:
                 state["first"] = value
             if state["best"] is None or value < state["best"]:
-                state.update(best=value, best_step=step, train_at_best=state["train"], streak=0)
+                state.update(best=value, best_step=step, train_at_best=state["train"], streak=0, holding=None)
                 continue
             rising = value > state["best"] * (1 + self.p.margin) and \
                 value - state["best"] > self.p.min_rise * abs(state["first"])
             falling = state["train"] is not None and state["train_at_best"] is not None and \
                 state["train"] < state["train_at_best"]
-            if streak(state, "streak", rising and falling) >= self.p.patience:
-                out = [Finding(AnomalyKind.overfitting, Severity.warning, step,
-                               message=(f"Validation loss {value:.4g} at step {step} is {value / state['best'] - 1:.0%} "
-                                        f"above its best {state['best']:.4g} (step {state['best_step']}) while the "
-                                        f"training loss fell to {state['train']:.4g}: the model is memorising. Add "
-                                        "data or regularisation, or stop at the best checkpoint."),
-                               evidence={"val_loss": value, "best_val_loss": state["best"],
-                                         "best_step": state["best_step"], "train_loss": state["train"],
-                                         "margin": self.p.margin})]
+            if streak(state, "streak", rising and falling) < self.p.patience:
+                state["holding"] = None
+                continue
+            held = {"message": (f"Validation loss {value:.4g} at step {step} is {value / state['best'] - 1:.0%} "
+                                f"above its best {state['best']:.4g} (step {state['best_step']}) while the "
+                                f"training loss fell to {state['train']:.4g}: the model is memorising. Add "
+                                "data or regularisation, or stop at the best checkpoint."),
+                    "evidence": {"val_loss": value, "best_val_loss": state["best"], "best_step": state["best_step"],
+                                 "train_loss": state["train"], "margin": self.p.margin}}
+            state["holding"] = held
+            out = [Finding(AnomalyKind.overfitting, Severity.warning, step, message=held["message"],
+                           evidence=held["evidence"])]
         return out
