@@ -195,9 +195,9 @@ def slow_data_loader(attach, seed):
 
     def data():
         for batch in fast:
-            time.sleep(0.01)  # decoding / reading each batch on the training thread
+            time.sleep(0.02)  # decoding / reading each batch on the training thread
             yield batch
-    _loop(attach, model, opt, nn.MSELoss(), data(), 50)
+    _loop(attach, model, opt, nn.MSELoss(), data(), 60)
 
 
 def kept_tensors(attach, seed):
@@ -298,7 +298,7 @@ FAULTS: list[Case] = [
          "Adam at lr 0.1 with batches of 2"),
     Case("memorise_tiny_train_set", memorise_tiny_train_set, ("overfitting",), 0,
          "16 training samples with arbitrary labels, validation loss reported"),
-    Case("slow_data_loader", slow_data_loader, ("dataloader_bottleneck",), 0, "10 ms of loading per batch"),
+    Case("slow_data_loader", slow_data_loader, ("dataloader_bottleneck",), 0, "20 ms of loading per batch on the training thread"),
     Case("kept_tensors", kept_tensors, ("memory_growth",), 0, "4 MiB tensor appended to a list every step"),
     Case("softmax_into_cross_entropy", softmax_into_cross_entropy, ("output_range_mismatch",), 0,
          "model ends in Softmax, trained with CrossEntropyLoss"),
