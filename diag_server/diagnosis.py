@@ -79,7 +79,7 @@ def diagnose(store: Store, run: str) -> Diagnosis:
     # Alarms (warning, critical) rank above information.
     severity = {a.id: a.severity.value for a in found}
     causes.sort(key=lambda c: (severity[c.anomaly_id] == "info", c.step))
-    context = _context(conn, run, found[0].first_step if found else None) if found else []
+    context = _context(conn, run, causes[0].step if causes else None)
     history = _history(conn, run, min((a.first_step for a in found if a.severity.value != "info"), default=None))
     if not causes:
         summary = f"No anomalies in run {run!r}: nothing has gone wrong that the rules can see."
@@ -124,7 +124,7 @@ def _context(conn: sqlite3.Connection, run: str, first_step: int | None) -> list
     growth = _grad_growth(conn, run, growth_until)
     if growth:
         out.append(growth)
-    shift = _input_shift(conn, run, first_step)
+    shift = _input_shift(conn, run, max(first_step, bad["step"]) if bad else first_step)
     if shift:
         out.append(shift)
     return out
