@@ -73,7 +73,9 @@ class StepTimeOutlier(Rule):
         "factor": Param(10.0, "measurement here: on a shared CPU healthy suite steps vary up to ~40x, hence info",
                         "slowest step / median step time above this is an outlier"),
         "min_seconds": Param(0.1, "measurement here", "outliers shorter than this are ignored"),
-        "warn_outliers": Param(10, "smdebug StepOutlier n_outliers default (10)",
+        "warn_outliers": Param(15, "smdebug StepOutlier counts n_outliers=10 over a job; 15 of the last 20 "
+                               "samples here, because when another job starts on a shared CPU the first ~10 samples "
+                               "after the shift are outliers until the median adapts (measurement here)",
                                "outliers within the last `history` samples that make it a warning"),
         "history": Param(20, "measurement here", "samples kept"),
     }
