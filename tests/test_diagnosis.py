@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import probes
-from conftest import ROOT, make_server
+from tests.conftest import ROOT, make_server
 
 sys.path.insert(0, str(ROOT))
 
