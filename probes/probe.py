@@ -105,7 +105,9 @@ class Probe:
         self._applied: dict[str, fixes.Applied] = {}
         self._seen_commands: set[tuple[str, str]] = set()
         self._skipped_steps = 0
-        self._snapshots = Snapshots(model, self.params)
+        # A snapshot that waits for a forward pass knocks on the inbox when it is done, so step() needs no
+        # check of its own: the inbox check it already makes covers it.
+        self._snapshots = Snapshots(model, self.params, on_ready=lambda: self._inbox.append({"op": "_snapshots"}))
         self.rules = _rule_config(rules)
 
         self._step = 0
@@ -153,9 +155,6 @@ class Probe:
                 self._flush_scalars()
             if self._inbox:
                 self._apply_commands(step)
-            if self._snapshots._waiting:
-                for ev in self._snapshots.poll():
-                    self.sender.put(ev)
             self._step = step + 1
             self._arm(step + 1)
         except Exception as e:  # noqa: BLE001 - the training job comes first
@@ -322,6 +321,10 @@ class Probe:
     def _apply_commands(self, step: int) -> None:
         while self._inbox:
             cmd = self._inbox.popleft()
+            if cmd.get("op") == "_snapshots":
+                for ev in self._snapshots.poll():
+                    self.sender.put(ev)
+                continue
             key = (str(cmd.get("fix_id")), str(cmd.get("op", "apply")))
             if key in self._seen_commands:
                 continue  # the server resends until it sees our ack; apply once

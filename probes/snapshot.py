@@ -9,7 +9,7 @@ Nothing here runs unless the server asked.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,8 +32,10 @@ def tensor_slice(name: str, source: str, t: torch.Tensor, max_elements: int) -> 
 
 
 class Snapshots:
-    def __init__(self, model: torch.nn.Module, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+    def __init__(self, model: torch.nn.Module, params: list[tuple[str, torch.nn.Parameter]],
+                 on_ready: Callable[[], None] | None = None) -> None:
         self.model = model
+        self.on_ready = on_ready  # called (from the forward hook) when a request's slices are all taken
         self.params = dict(params)
         self.modules = dict(model.named_modules())
         self._waiting: list[dict] = []  # requests whose activations come with the next forward
@@ -80,6 +82,8 @@ class Snapshots:
             except Exception:  # noqa: BLE001
                 pending["event"]["missing"].append(name)
             pending["left"] -= 1
+            if pending["left"] <= 0 and self.on_ready is not None:
+                self.on_ready()
 
         if name == "<input>":
             return self.model.register_forward_pre_hook(lambda m, args: record(args[0] if args else None))
