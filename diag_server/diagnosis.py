@@ -48,6 +48,9 @@ CAUSES: dict[K, set[K]] = {
     K.memory_growth: {K.step_time_outlier, K.gpu_memory_fragmentation},
     K.dataloader_bottleneck: {K.step_time_outlier},
 }
+# Kinds about throughput and memory rather than what the model learns.
+RESOURCE_KINDS = {K.dataloader_bottleneck, K.step_time_outlier, K.memory_growth, K.gpu_memory_fragmentation,
+                  K.straggler_rank, K.comm_bottleneck}
 # An anomaly that began within this many steps after another may be its consequence.
 CONSEQUENCE_WINDOW = 500
 # Departures from history worth naming: ratio of medians.
@@ -76,9 +79,10 @@ def diagnose(store: Store, run: str) -> Diagnosis:
         chain = "".join(f" -> {b.kind.value} at step {b.first_step} ({b.id})" for b in effects)
         causes.append(Cause(anomaly_id=a.id, kind=a.kind, step=a.first_step, tensor=tensor,
                             explanation=f"{a.message}{chain}", consequences=[b.id for b in effects]))
-    # Alarms (warning, critical) rank above information.
+    # Alarms (warning, critical) rank above information, and problems of the training itself (values,
+    # gradients, the loss) above problems of its speed or memory: those cost time, these cost the model.
     severity = {a.id: a.severity.value for a in found}
-    causes.sort(key=lambda c: (severity[c.anomaly_id] == "info", c.step))
+    causes.sort(key=lambda c: (severity[c.anomaly_id] == "info", c.kind in RESOURCE_KINDS, c.step))
     context = _context(conn, run, causes[0].step if causes else None)
     history = _history(conn, run, min((a.first_step for a in found if a.severity.value != "info"), default=None))
     if not causes:
