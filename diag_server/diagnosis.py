@@ -48,6 +48,13 @@ CAUSES: dict[K, set[K]] = {
     K.memory_growth: {K.step_time_outlier, K.gpu_memory_fragmentation},
     K.dataloader_bottleneck: {K.step_time_outlier},
 }
+# At one step, which kinds come first in the usual chain of events (lower first).
+CAUSAL_ORDER = {
+    K.input_not_normalized: 0, K.poor_weight_init: 0, K.output_range_mismatch: 0, K.dataloader_bottleneck: 0,
+    K.abnormal_update_ratio: 1, K.saturated_activation: 1, K.dead_relu: 1, K.vanishing_gradient: 2,
+    K.exploding_gradient: 2, K.unchanged_tensor: 3, K.oscillating_loss: 3, K.loss_divergence: 3,
+    K.loss_not_decreasing: 3, K.overfitting: 3, K.nonfinite: 4,
+}
 # Kinds about throughput and memory rather than what the model learns.
 RESOURCE_KINDS = {K.dataloader_bottleneck, K.step_time_outlier, K.memory_growth, K.gpu_memory_fragmentation,
                   K.straggler_rank, K.comm_bottleneck}
@@ -67,7 +74,7 @@ def diagnose(store: Store, run: str) -> Diagnosis:
     conn = store.read()
     require_run(conn, run)
     page = list_anomalies(store, run, limit=500)
-    found = sorted(page.anomalies, key=lambda a: (a.first_step, a.severity != "critical", a.id))
+    found = sorted(page.anomalies, key=lambda a: (a.first_step, CAUSAL_ORDER.get(a.kind, 5), a.id))
     explained: set[str] = set()
     causes: list[Cause] = []
     for a in found:
