@@ -113,10 +113,42 @@ def _nonfinite(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
     return out
 
 
+def embedding_scale_params(kind: AnomalyKind, evidence: dict) -> dict[str, Any] | None:
+    """Parameters of embedding_grad_scale for an embedding anomaly's evidence (pure: the benchmark uses it)."""
+    table = evidence.get("table")
+    if not isinstance(table, str):
+        return None
+    if kind == AnomalyKind.zombie_embedding:
+        rows = [int(r) for r in evidence.get("rows") or [] if isinstance(r, (int, float))]
+        return {"table": table, "rows": rows, "min_factor": 0.1, "mode": "update"}
+    if kind == AnomalyKind.dead_embedding and (evidence.get("rare_rows") or 0) > 0:
+        return {"table": table, "starved_below": 0.25, "max_factor": 4.0, "min_factor": 1.0, "mode": "update"}
+    return None
+
+
+def _embedding(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
+    params = embedding_scale_params(a.kind, a.evidence)
+    if params is None:
+        return []
+    if a.kind == AnomalyKind.zombie_embedding:
+        return [Candidate(FixAction.embedding_grad_scale, params,
+                          f"Damp the updates of the {len(params['rows'])} flagged rows of '{params['table']}' by "
+                          "clamp(SNR / median SNR of the table, 0.1, 1), each from its own measured temporal gradient "
+                          "SNR, so rows whose gradient is mostly noise stop chasing it; other rows are untouched.",
+                          "The flagged rows' update velocity falls and their direction consistency rises towards 0; "
+                          "validation loss should not get worse. Revert to restore their full step.", "low")]
+    return [Candidate(FixAction.embedding_grad_scale, params,
+                      f"Up-weight rows of '{params['table']}' updated less than a quarter as often as the median row, "
+                      "by sqrt(median / their count), at most 4x. Rows never updated get no gradient and need the data "
+                      "or the negative sampler fixed.", "Rare rows catch up; never-updated rows are unchanged.", "medium")]
+
+
 PROPOSERS: dict[AnomalyKind, Callable[[sqlite3.Connection, Anomaly], list[Candidate]]] = {
     AnomalyKind.exploding_gradient: _exploding,
     AnomalyKind.loss_divergence: _divergence,
     AnomalyKind.nonfinite: _nonfinite,
+    AnomalyKind.zombie_embedding: _embedding,
+    AnomalyKind.dead_embedding: _embedding,
 }
 
 

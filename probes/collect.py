@@ -65,6 +65,10 @@ class Collection:
     def collect(self, step: int) -> list[HostCopy]:
         return []
 
+    def reports(self, step: int) -> bool:
+        """Whether a due step also sends (a collection may track on more steps than it reports)."""
+        return True
+
     def close(self) -> None:
         pass
 
@@ -321,3 +325,7 @@ class System(Collection):
 COLLECTIONS: dict[str, type[Collection]] = {
     c.name: c for c in (Weights, Gradients, Updates, Activations, System)
 }
+
+from .embeddings import Embeddings  # noqa: E402  (it builds on Collection, defined above)
+
+COLLECTIONS[Embeddings.name] = Embeddings

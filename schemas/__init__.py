@@ -6,6 +6,8 @@ from .enums import SCHEMA_VERSION, AnomalyKind, AnomalyStatus, Collection, FixAc
 from .events import (
     MAX_EVENTS_PER_BATCH,
     Command,
+    EmbeddingRow,
+    EmbeddingSummary,
     Event,
     FixAck,
     IngestBatch,
@@ -42,7 +44,7 @@ from .records import (
 
 __all__ = [
     "SCHEMA_VERSION", "AnomalyKind", "AnomalyStatus", "Collection", "FixAction", "FixStatus", "Severity",
-    "MAX_EVENTS_PER_BATCH", "Command", "Event", "FixAck", "IngestBatch", "IngestReply", "ModuleInfo",
+    "MAX_EVENTS_PER_BATCH", "Command", "EmbeddingRow", "EmbeddingSummary", "Event", "FixAck", "IngestBatch", "IngestReply", "ModuleInfo",
     "OptimizerInfo", "ParamInfo", "ProbeMessage", "RunEnd", "RunStart", "Scalars", "StatRow", "TensorStats",
     "Anomaly", "AnomalyPage", "AuditEntry", "AuditTrail", "Cause", "CompressionRecipe", "Diagnosis", "Error",
     "Fix", "FixList", "Health", "LayerRecipe", "Run", "RunList", "RunSummary", "Series", "SeriesPoint",

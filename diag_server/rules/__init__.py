@@ -9,11 +9,13 @@ from __future__ import annotations
 import importlib
 
 from .base import Finding, Observations, Param, Rule
+from .embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
 from .gradients import ExplodingGradient
 from .loss import LossDivergence
 from .nonfinite import NonFinite
 
-BUILTIN: list[type[Rule]] = [NonFinite, ExplodingGradient, LossDivergence]
+BUILTIN: list[type[Rule]] = [NonFinite, ExplodingGradient, LossDivergence,
+                             ZombieEmbedding, DeadEmbedding, EmbeddingCollapse]
 
 
 def load(path: str) -> type[Rule]:

@@ -13,7 +13,7 @@ from .base import Finding, Observations, Param, Rule
 # Scalars whose nulls mean "not finite". Anything else a user logs may legitimately be missing.
 _WATCHED_PREFIXES = ("loss", "val_", "sys/", "lr/")
 # Where a NaN shows first, from the earliest point of a step to the latest.
-_COLLECTIONS = ("activations", "gradients", "weights")
+_COLLECTIONS = ("activations", "gradients", "weights", "embeddings")
 
 
 class NonFinite(Rule):
