@@ -1,17 +1,22 @@
 """Embedding dynamics: per-row statistics of every nn.Embedding / nn.EmbeddingBag table of the model.
 
 Dense-model statistics (one norm per tensor) say nothing about a table of a million rows of which a
-batch touches a thousand. This collection keeps, for each row, a handful of scalars on the table's
-device and updates them only for the rows a step touched:
+batch touches a thousand. This collection keeps, for each row, a few scalars on the table's device
+and updates them only for the rows a step touched:
 
 - ``touches``      steps in which the row was looked up and got a non-zero gradient (update frequency)
 - ``velocity``     EMA of ||row after - row before|| across the optimizer step (update velocity)
-- ``consistency``  EMA of the cosine between the row's successive updates (direction consistency)
-- ``snr``          ||mean g||^2 / mean ||g - mean g||^2 of the row's gradient across the steps that
-                   touched it (temporal SNR: across steps, not across the row's elements)
+- ``consistency``  lag-1 correlation of the row's successive gradient steps around their recent mean
+                   (an EMA of inner products over an EMA of norm products: a magnitude-weighted mean
+                   cosine in [-1, 1]; -1: every update reverses the last one)
+- ``snr``          ||mean g||^2 / variance of g across the steps that touched the row (temporal SNR:
+                   across steps, not across the row's elements)
+- ``noise``        gradient energy per lookup over the table's median (> 1: the row's data pulls it
+                   harder than its peers' data pulls them)
 
-Memory is O(rows): five scalars and two ``SKETCH_DIM``-vectors per row, never a copy of the table.
-The mean gradient and the previous update direction are kept as random projections to
+Memory is O(rows): 77 bytes a row (seven float32/int32 scalars, a bool, and two ``SKETCH_DIM``-wide
+vectors: the mean gradient in float32 and the previous innovation in bfloat16), whatever the
+table's width, and never a copy of the table. Vectors are kept as random projections to
 ``SKETCH_DIM`` dimensions (Johnson-Lindenstrauss: inner products and norms are preserved in
 expectation; exact when the table is at most ``SKETCH_DIM`` wide, e.g. bias tables).
 
@@ -21,8 +26,10 @@ cannot give (a row touched once per epoch would be seen once per 50 epochs). So 
 collection's, and *reports* (one host copy, one event) only every ``interval`` steps. A tracked step
 costs O(rows touched x dim): the looked-up indices come from a forward hook, the gradient rows are
 gathered at those indices (or read from the sparse gradient), and the rows' values are gathered
-before and after the optimizer step. There is no host sync on a tracked step; on CPU the cost is a
-few dozen small kernels. A report costs O(rows) scalar operations (top-k and counts).
+before and after the optimizer step. There is no host sync on a tracked step. A report costs
+O(rows touched since the last report + TOP_ROWS + SAMPLE_ROWS): counters are kept as rows change,
+the worst-row lists are re-ranked over the rows that changed plus the previous lists, and medians
+and the collapse statistics come from a fixed random sample of rows.
 
 A row counts as touched when the model looked it up *and* its gradient row is non-zero: a whole-table
 L2 penalty in the loss gives every row a gradient, but only rows the model looked up are touched, so
@@ -59,6 +66,8 @@ MIN_TOUCHES = 20
 TOP_ROWS = 256
 # Rows sampled for effective rank and mean pairwise cosine.
 COLLAPSE_SAMPLE = 512
+# A fixed random sample of each table's rows, for medians (touches, energy per lookup) and collapse.
+SAMPLE_ROWS = 4096
 
 
 def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, list[torch.nn.Module]]]:
@@ -89,7 +98,6 @@ class TableState:
             g = torch.Generator().manual_seed(seed)
             self.proj = (torch.randn(dim, self.k, generator=g) / math.sqrt(self.k)).to(dev)
         self.touches = torch.zeros(rows, dtype=torch.int32, device=dev)
-        self.last = torch.full((rows,), -1, dtype=torch.int32, device=dev)
         self.velocity = torch.zeros(rows, device=dev)
         self.cons_num = torch.zeros(rows, device=dev)
         self.cons_den = torch.zeros(rows, device=dev)
@@ -104,7 +112,19 @@ class TableState:
         self.padding = torch.tensor(sorted(p % rows for p in pad), dtype=torch.long, device=dev)
         self.sparse = any(getattr(m, "sparse", False) for m in modules)
         self.tracked_steps = 0
-        self.last_report = -1
+        # What a report needs, kept so that it costs O(rows touched since the last report), not O(rows):
+        # counters, the rows touched since then, the lists of the previous report, and a fixed random
+        # sample of rows for medians and the collapse statistics.
+        self.sample = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + 1))[:SAMPLE_ROWS].sort().values.to(dev)
+        self.window: list[torch.Tensor] = []
+        self.touched_count = torch.zeros((), dtype=torch.int64, device=dev)
+        self.eligible_count = torch.zeros((), dtype=torch.int64, device=dev)
+        self.nonfinite_count = torch.zeros((), dtype=torch.int64, device=dev)
+        empty = torch.zeros(0, dtype=torch.long, device=dev)
+        self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = empty, empty, empty, empty
+        self.dead_scan = 0
+        self.occ_median = torch.tensor(float("nan"), device=dev)
+        self.touch_median = torch.tensor(float("nan"), device=dev)
         # One tracked step's scratch: looked-up indices, then the touched rows and their values.
         self.lookups: list[torch.Tensor] = []
         self.idx: torch.Tensor | None = None
@@ -114,7 +134,7 @@ class TableState:
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (
-            self.touches, self.last, self.velocity, self.cons_num, self.cons_den, self.grad_sq,
+            self.touches, self.velocity, self.cons_num, self.cons_den, self.grad_sq,
             self.grad_mean, self.mean_sq, self.occ_sq, self.prev, self.nonfinite))
 
     def _sketch(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,10 +187,17 @@ class TableState:
         zero = torch.zeros((), device=dev)
         after = self.weight.detach().index_select(0, idx).float()
         finite = torch.isfinite(after).all(dim=1) & torch.isfinite(g).all(dim=1)
+        was_bad = self.nonfinite.index_select(0, idx)
         self.nonfinite[idx] = ~finite  # a row that went NaN is non-finite, whatever else it is
-        t = self.touches.index_select(0, idx) + finite.to(torch.int32)
+        self.nonfinite_count += (~finite).sum() - was_bad.sum()
+        t0 = self.touches.index_select(0, idx)
+        t = t0 + finite.to(torch.int32)
         self.touches.index_copy_(0, idx, t)
-        self.last.index_fill_(0, idx, step)
+        self.touched_count += ((t0 == 0) & (t > 0)).sum()
+        self.eligible_count += ((t0 < MIN_TOUCHES) & (t >= MIN_TOUCHES)).sum()
+        self.window.append(idx)
+        if len(self.window) > 64:  # bounded, however long the report interval
+            self.window = [torch.unique(torch.cat(self.window))]
         tf = t.float().clamp_min(1.0)
         # Running means until a row has 1/alpha observations, EMAs after, so that a rarely touched row is
         # not dominated by its first values; a row that is not finite this step keeps its statistics.
@@ -228,90 +255,127 @@ class TableState:
 
     @property
     def consistency(self) -> torch.Tensor:
-        return self.cons_num / self.cons_den.clamp_min(1e-30)
+        return self.consistency_of(None)
 
-    def eligible(self) -> torch.Tensor:
-        return (self.touches >= MIN_TOUCHES) & ~self.nonfinite
+    def consistency_of(self, idx: torch.Tensor | None) -> torch.Tensor:
+        num = self.cons_num if idx is None else self.cons_num.index_select(0, idx)
+        den = self.cons_den if idx is None else self.cons_den.index_select(0, idx)
+        return num / den.clamp_min(1e-30)
 
-    def noise_excess(self) -> torch.Tensor:
-        """The row's gradient energy per lookup over the median of eligible rows: > 1 is a row whose data
-        keeps pulling it harder than its peers' data pulls them (conflicting or unfittable targets)."""
-        el = self.eligible()
-        if not bool(el.any()):
-            return torch.ones(self.rows, device=self.weight.device)
-        med = self.occ_sq[el].median().clamp_min(1e-30)
-        return torch.where(el, self.occ_sq / med, torch.ones_like(self.occ_sq))
+    def eligible(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        t = self.touches if idx is None else self.touches.index_select(0, idx)
+        bad = self.nonfinite if idx is None else self.nonfinite.index_select(0, idx)
+        return (t >= MIN_TOUCHES) & ~bad
 
-    def often(self) -> torch.Tensor:
+    def refresh_medians(self) -> None:
+        """Median touches and per-lookup energy of the table, from its fixed sample of rows: O(sample)."""
+        nan = torch.tensor(float("nan"), device=self.weight.device)
+        t = self.touches.index_select(0, self.sample).float()
+        self.touch_median = torch.where(t > 0, t, nan).nanmedian()
+        el = (t >= MIN_TOUCHES) & ~self.nonfinite.index_select(0, self.sample)
+        self.occ_median = torch.where(el, self.occ_sq.index_select(0, self.sample), nan).nanmedian()
+
+    def noise_excess(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """The row's gradient energy per lookup over the median of the table's eligible rows: > 1 is a row
+        whose data keeps pulling it harder than its peers' data pulls them (conflicting targets)."""
+        occ = self.occ_sq if idx is None else self.occ_sq.index_select(0, idx)
+        return occ / torch.nan_to_num(self.occ_median, nan=float("inf")).clamp_min(1e-30)
+
+    def often(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Rows updated at least as often as the table's median touched row."""
-        touched = self.touches > 0
-        if not bool(touched.any()):
-            return touched
-        return self.touches.float() >= self.touches[touched].float().median()
+        t = self.touches if idx is None else self.touches.index_select(0, idx)
+        return (t > 0) & (t.float() >= torch.nan_to_num(self.touch_median, nan=float("inf")))
 
-    def zombie_score(self) -> torch.Tensor:
+    def zombie_score(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Higher is more zombie-like: a row whose data pulls it harder than its peers' (log noise
         excess) and whose successive gradients reverse (negative consistency). Rows not eligible score
-        -inf."""
-        score = torch.log(self.noise_excess().clamp_min(1e-6)) - self.consistency
-        return torch.where(self.eligible(), score, torch.full_like(score, float("-inf")))
+        -inf. Call refresh_medians() first."""
+        el = self.eligible(idx)
+        cons = self.consistency_of(idx)
+        score = torch.log(self.noise_excess(idx).clamp_min(1e-6)) - cons
+        return torch.where(el, score, torch.full_like(score, float("-inf")))
 
     # -- a report --------------------------------------------------------------------------------------
     def report(self, step: int) -> tuple[torch.Tensor, dict]:
-        """Pack the table's summary into one float64 tensor (one host copy) and a decoding plan."""
-        R = self.rows
-        dev = self.weight.device
-        w = self.weight.detach()
-        touched = self.touches > 0
-        finite_rows = ~self.nonfinite
-        never = ~touched & finite_rows
-        if self.padding.numel():
-            never[self.padding] = False
-        eligible = self.eligible()
+        """Pack the table's summary into one float64 tensor (one host copy) and a decoding plan.
+
+        O(rows touched since the last report + TOP_ROWS + SAMPLE_ROWS): the lists are re-ranked over
+        the rows that changed plus the previous lists (a row nobody touched kept its statistics)."""
+        R, dev, w = self.rows, self.weight.device, self.weight.detach()
+        win = torch.unique(torch.cat(self.window)) if self.window else self.zombie_ids[:0]
+        self.window = []
+        self.refresh_medians()
         k = min(TOP_ROWS, R)
-        ar = torch.arange(R, 0, -1, device=dev, dtype=torch.float64)  # lower id, higher key
-        dead_key = torch.where(never, ar, torch.zeros((), dtype=torch.float64, device=dev))
-        dead_val, dead_idx = torch.topk(dead_key, k)
-        nf_key = torch.where(self.nonfinite, ar, torch.zeros((), dtype=torch.float64, device=dev))
-        nf_val, nf_idx = torch.topk(nf_key, k)
-        zkey = torch.where(self.often(), self.zombie_score(), torch.full((R,), float("-inf"), device=dev))
-        noise = self.noise_excess()
-        z_val, z_idx = torch.topk(zkey, k)
-        rkey = torch.where(touched & finite_rows, -self.touches.float(), torch.full((R,), float("-inf"), device=dev))
-        r_val, r_idx = torch.topk(rkey, k)
-        tt = self.touches[touched]
-        median = tt.float().median() if tt.numel() else torch.tensor(float("nan"), device=dev)
-        nan_count = torch.isnan(w).sum() if w.is_floating_point() else torch.zeros((), device=dev)
-        inf_count = torch.isinf(w).sum() if w.is_floating_point() else torch.zeros((), device=dev)
-        rank, cosine, sampled = self._collapse(touched & finite_rows)
+        inf = float("inf")
+
+        def ranked(ids: torch.Tensor, key: torch.Tensor, largest: bool) -> torch.Tensor:
+            if ids.numel() == 0:
+                return ids
+            val, pos = torch.topk(key, min(k, ids.numel()), largest=largest)
+            return ids[pos][torch.isfinite(val)]
+
+        cand = torch.unique(torch.cat([win, self.zombie_ids]))
+        key = torch.where(self.often(cand), self.zombie_score(cand), torch.full((cand.numel(),), -inf, device=dev))
+        self.zombie_ids = ranked(cand, key, True)
+        cand = torch.unique(torch.cat([win, self.rare_ids]))
+        t = self.touches.index_select(0, cand).float()
+        ok = (t > 0) & ~self.nonfinite.index_select(0, cand)
+        self.rare_ids = ranked(cand, torch.where(ok, t, torch.full_like(t, inf)), False)
+        cand = torch.unique(torch.cat([win, self.nonfinite_ids]))
+        self.nonfinite_ids = cand[self.nonfinite.index_select(0, cand)][:k]
+        self._refill_dead(k)
+
+        bad = w.index_select(0, self.nonfinite_ids)
+        untouched_bad = (self.touches.index_select(0, self.nonfinite_ids) == 0).sum()
+        pad = self.padding.numel()
+        never = R - self.touched_count - untouched_bad - pad
+        st = self.sample
+        el = (self.touches.index_select(0, st) >= MIN_TOUCHES) & ~self.nonfinite.index_select(0, st)
+        neg = (el & (self.consistency_of(st) < 0)).sum().double() / el.sum().clamp_min(1).double()
+        rank, cosine, sampled = self._collapse()
+        noise = self.noise_excess
 
         def rows_of(i: torch.Tensor) -> list[torch.Tensor]:
             return [i.double(), self.touches[i].double(), self.velocity[i].double(),
-                    self.consistency[i].double(), self.snr(i).double(), noise[i].double()]
+                    self.consistency_of(i).double(), self.snr(i).double(), noise(i).double()]
 
-        scalars = torch.stack([torch.tensor(float(R), device=dev, dtype=torch.float64),
-                               touched.sum().double(), (self.last > self.last_report).sum().double(),
-                               never.sum().double(), self.nonfinite.sum().double(), median.double(),
-                               eligible.sum().double(), (eligible & (self.consistency < 0)).sum().double(),
-                               rank.double(), cosine.double(), sampled.double(),
-                               nan_count.double(), inf_count.double()])
-        parts = [scalars, dead_val, dead_idx.double(), nf_val, nf_idx.double(), z_val.double(),
-                 *rows_of(z_idx), r_val.double(), *rows_of(r_idx)]
-        self.last_report = step
-        return torch.cat(parts), {"k": k}
+        f64 = torch.float64
+        scalars = torch.stack([torch.tensor(float(R), device=dev, dtype=f64), self.touched_count.to(f64),
+                               torch.tensor(float(win.numel()), device=dev, dtype=f64), never.to(f64),
+                               self.nonfinite_count.to(f64), self.touch_median.to(f64), self.eligible_count.to(f64),
+                               (neg * self.eligible_count.double()).round(),
+                               rank.to(f64), cosine.to(f64), sampled.to(f64),
+                               torch.isnan(bad).sum().to(f64), torch.isinf(bad).sum().to(f64)])
+        parts = [scalars, self.dead_ids.double(), self.nonfinite_ids.double(),
+                 *rows_of(self.zombie_ids), *rows_of(self.rare_ids)]
+        plan = {"dead": self.dead_ids.numel(), "nonfinite": self.nonfinite_ids.numel(),
+                "zombies": self.zombie_ids.numel(), "rarest": self.rare_ids.numel()}
+        return torch.cat(parts), plan
 
-    def _collapse(self, pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _refill_dead(self, k: int, chunk: int = 1 << 16) -> None:
+        """Lowest-id finite rows never updated. A row once updated never becomes dead again, so the list
+        only shrinks and is refilled by one forward scan over the ids: O(rows) once, not per report."""
+        dev = self.weight.device
+        ids = self.dead_ids
+        ids = ids[(self.touches.index_select(0, ids) == 0) & ~self.nonfinite.index_select(0, ids)]
+        while ids.numel() < k and self.dead_scan < self.rows:
+            lo, hi = self.dead_scan, min(self.dead_scan + chunk, self.rows)
+            span = torch.arange(lo, hi, device=dev)
+            ok = (self.touches[lo:hi] == 0) & ~self.nonfinite[lo:hi]
+            if self.padding.numel():
+                ok &= ~torch.isin(span, self.padding)
+            found = span[ok][: k - ids.numel()]
+            ids = torch.cat([ids, found])
+            self.dead_scan = int(found[-1]) + 1 if ids.numel() >= k and found.numel() else hi
+        self.dead_ids = ids
+
+    def _collapse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dev = self.weight.device
         nan = torch.tensor(float("nan"), device=dev)
         if self.dim < 4:
             return nan, nan, torch.zeros((), device=dev)
-        # A fixed pseudo-random sample of the pool: the rows with the smallest hash of their id.
-        R = self.rows
-        h = (torch.arange(R, device=dev, dtype=torch.int64) * 2654435761) % 4294967296
-        key = torch.where(pool, h.double(), torch.full((R,), float("inf"), dtype=torch.float64, device=dev))
-        n = min(COLLAPSE_SAMPLE, R)
-        val, idx = torch.topk(key, n, largest=False)
-        idx = idx[torch.isfinite(val)]
+        st = self.sample
+        idx = st[(self.touches.index_select(0, st) > 0) & ~self.nonfinite.index_select(0, st)][:COLLAPSE_SAMPLE]
         if idx.numel() < 2:
             return nan, nan, torch.tensor(float(idx.numel()), device=dev)
         x = self.weight.detach().index_select(0, idx).float()
@@ -327,7 +391,7 @@ class TableState:
         return rank, cos, torch.tensor(float(m), device=dev)
 
 
-def _decode(name: str, table: TableState, raw: list[float], k: int) -> dict:
+def _decode(name: str, table: TableState, raw: list[float], plan: dict) -> dict:
     def num(x: float) -> float | None:
         return x if math.isfinite(x) else None
 
@@ -335,21 +399,14 @@ def _decode(name: str, table: TableState, raw: list[float], k: int) -> dict:
     take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
     (rows, touched, window, never, nonfinite, median, eligible, negative, rank, cosine, sampled,
      nan_count, inf_count) = take(13)
-    dead_val, dead_idx = take(k), take(k)
-    nf_val, nf_idx = take(k), take(k)
-    z_val = take(k)
-    z = [take(k) for _ in range(6)]
-    r_val = take(k)
-    r = [take(k) for _ in range(6)]
+    dead_idx, nf_idx = take(plan["dead"]), take(plan["nonfinite"])
+    z = [take(plan["zombies"]) for _ in range(6)]
+    r = [take(plan["rarest"]) for _ in range(6)]
 
-    def rowlist(vals: list[float], cols: list[list[float]]) -> list[dict]:
-        out = []
-        for j, v in enumerate(vals):
-            if not math.isfinite(v):
-                break
-            out.append({"row": int(cols[0][j]), "touches": int(cols[1][j]), "velocity": num(cols[2][j]),
-                        "consistency": num(cols[3][j]), "snr": num(cols[4][j]), "noise": num(cols[5][j])})
-        return out
+    def rowlist(cols: list[list[float]]) -> list[dict]:
+        return [{"row": int(cols[0][j]), "touches": int(cols[1][j]), "velocity": num(cols[2][j]),
+                 "consistency": num(cols[3][j]), "snr": num(cols[4][j]), "noise": num(cols[5][j])}
+                for j in range(len(cols[0]))]
 
     summary = {
         "rows": int(rows), "dim": table.dim, "sparse": table.sparse, "tracked_steps": table.tracked_steps,
@@ -357,10 +414,10 @@ def _decode(name: str, table: TableState, raw: list[float], k: int) -> dict:
         "nonfinite_rows": int(nonfinite), "median_touches": num(median), "eligible_rows": int(eligible),
         "negative_consistency_rows": int(negative), "effective_rank": num(rank), "mean_cosine": num(cosine),
         "sampled_rows": int(sampled),
-        "zombies": rowlist(z_val, z),
-        "rarest": rowlist(r_val, r),
-        "dead_ids": [int(i) for v, i in zip(dead_val, dead_idx) if v > 0],
-        "nonfinite_ids": [int(i) for v, i in zip(nf_val, nf_idx) if v > 0],
+        "zombies": rowlist(z),
+        "rarest": rowlist(r),
+        "dead_ids": [int(i) for i in dead_idx],
+        "nonfinite_ids": [int(i) for i in nf_idx],
     }
     return {"name": name, "numel": table.rows * table.dim, "nan_count": int(nan_count),
             "inf_count": int(inf_count), "embedding": summary}
@@ -437,12 +494,12 @@ class Embeddings(Collection):
             packed, plan = t.report(step)
             names.append(t.name)
             parts.append(packed)
-            plans.append((t, packed.numel(), plan["k"]))
+            plans.append((t, packed.numel(), plan))
 
         def to_rows(names: list[str], raw: list[float]) -> list[dict]:
             rows, at = [], 0
-            for name, (t, n, k) in zip(names, plans):
-                rows.append(_decode(name, t, raw[at:at + n], k))
+            for name, (t, n, plan) in zip(names, plans):
+                rows.append(_decode(name, t, raw[at:at + n], plan))
                 at += n
             return rows
 
@@ -466,15 +523,17 @@ def _collection(t: Target) -> Embeddings:
 def row_factors(table: TableState, *, min_factor: float, max_factor: float, snr_ref: float | None = None,
                 rows: torch.Tensor | None = None, starved_below: float = 0.0) -> torch.Tensor:
     """Per-row scale, O(rows). Noisy rows (``rows`` when given, else every eligible row) get
-    clamp(snr / snr_ref, min_factor, 1), with ``snr_ref`` the median snr of the table's eligible rows
-    unless given: a row whose gradient is half as much signal as the typical row's takes half a step.
+    clamp(snr / snr_ref, min_factor, 1). Unless given, ``snr_ref`` is the lower of the table's median
+    snr and the snr of white noise (NOISE_SNR): a row is damped only when its gradient carries less
+    signal than both the typical row's and noise's, and a row with half that signal takes half a step.
+    (While a table still learns, its median is above NOISE_SNR and few rows qualify.)
     Optionally, rows updated less often than ``starved_below`` x the median get up to ``max_factor``
     (sqrt(median / touches)). 1 elsewhere."""
     f = torch.ones(table.rows, device=table.weight.device)
     snr = table.snr()
     el = table.eligible()
     if snr_ref is None:
-        snr_ref = float(snr[el].median()) if bool(el.any()) else 1.0
+        snr_ref = min(float(snr[el].median()), NOISE_SNR) if bool(el.any()) else NOISE_SNR
     snr_ref = max(snr_ref, 1e-12)
     noisy = el & (snr < snr_ref)
     if rows is not None:

@@ -56,12 +56,17 @@ class ZombieEmbedding(Rule):
                                  "touches to count"),
         "min_rows": Param(3, "measurement here: healthy ML-100k tables have 0-2 rows past the thresholds",
                           "zombie rows needed to report a table"),
+        "min_median_touches": Param(50, "the probe's slow statistics average over ~100 touches (SLOW_ALPHA = 0.01); "
+                                    "half a window is the least that separates reversal from early noise",
+                                    "judge only once the table's median touched row has this many updates"),
     }
 
     def observe(self, state: dict, obs: Observations) -> list[Finding]:
         out = []
         for name, (step, e) in _latest(obs).items():
             median = e.get("median_touches") or 0.0
+            if median < self.p.min_median_touches:
+                continue
             listed = e.get("zombies") or []
             bad = [r for r in listed
                    if r.get("noise") is not None and r["noise"] >= self.p.min_noise
