@@ -224,7 +224,7 @@ def pr(found: set[int], truth: set[int]) -> tuple[float, float]:
     return (tp / len(found) if found else (1.0 if not truth else 0.0)), (tp / len(truth) if truth else 1.0)
 
 
-def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2") -> None:
+def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cases: str = "abc") -> None:
     counts = d.counts()
     print(f"\n== detection (regime {regime}, {epochs} epochs, seeds {seeds}) ==")
     for seed in seeds:
@@ -246,13 +246,14 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2") -> 
                     seen[it] = k + 1
             return r
 
-        run = train(d, regime, seed, epochs, probe_on=True, targets=toggling)
-        found = flagged(run, AnomalyKind.zombie_embedding, "item.weight")
-        fb = flagged(run, AnomalyKind.zombie_embedding, "item_bias.weight")
-        fu = flagged(run, AnomalyKind.zombie_embedding, "user.weight") | flagged(run, AnomalyKind.zombie_embedding, "user_bias.weight")
-        cells = [f"{label} precision {pr(f, zset)[0]:.2f} recall {pr(f, zset)[1]:.2f} ({len(f)} flagged)"
+        run = train(d, regime, seed, epochs, probe_on=True, targets=toggling) if "a" in cases else None
+        found = set() if run is None else flagged(run, AnomalyKind.zombie_embedding, "item.weight")
+        if run is not None:
+            fb = flagged(run, AnomalyKind.zombie_embedding, "item_bias.weight")
+            fu = flagged(run, AnomalyKind.zombie_embedding, "user.weight") | flagged(run, AnomalyKind.zombie_embedding, "user_bias.weight")
+            cells = [f"{label} precision {pr(f, zset)[0]:.2f} recall {pr(f, zset)[1]:.2f} ({len(f)} flagged)"
                  for label, f in (("item.weight", found), ("item_bias.weight", fb), ("either item table", found | fb))]
-        print(f"seed {seed} (a) toggling zombies: " + "; ".join(cells) + f"; user rows flagged: {len(fu)}")
+            print(f"seed {seed} (a) toggling zombies: " + "; ".join(cells) + f"; user rows flagged: {len(fu)}")
 
         # (b) 50 items (>= 20 training ratings, not the top 100) whose ratings flip for half of the users.
         pool = torch.nonzero(counts >= 20).reshape(-1)
@@ -262,8 +263,8 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2") -> 
         group = torch.rand(d.n_users, generator=gen) < 0.5
         flip = torch.isin(d.items, conflict) & group[d.users]
         flipped = torch.where(flip, 6 - d.ratings, d.ratings)
-        run = train(d, regime, seed, epochs, probe_on=True, targets=lambda e, o: flipped[o])
-        for tname in ("item.weight", "item_bias.weight"):
+        run = train(d, regime, seed, epochs, probe_on=True, targets=lambda e, o: flipped[o]) if "b" in cases else None
+        for tname in ("item.weight", "item_bias.weight") if run is not None else ():
             t = table_of(run, tname)
             score = t.zombie_score()
             msq = t.grad_sq
@@ -280,7 +281,7 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2") -> 
         dc = Data(d.users[keep], d.items[keep], d.ratings[keep], d.vu, d.vi, d.vr, d.n_users, d.n_items)
         truth = set(torch.nonzero(dc.counts() == 0).reshape(-1).tolist())
         for label, kw in (("plain", {}), ("L2 1e-4 in the loss", {"l2": 1e-4}),
-                          ("NaN divergence", {"nan_at": (epochs - 1) * (len(dc.ratings) // BATCH)})):
+                          ("NaN divergence", {"nan_at": (epochs - 1) * (len(dc.ratings) // BATCH)})) if "c" in cases else ():
             run = train(dc, regime, seed, epochs, probe_on=True, **kw)
             found = flagged(run, AnomalyKind.dead_embedding, "item.weight")
             p, rc = pr(found, truth)
@@ -375,7 +376,7 @@ def overhead(d: Data, repeats: int, steps: int) -> None:
         return step, probe
 
     cases = [("ML-100k MF, Adam, batch 256", lambda on: setup_ml(on), steps),
-             ("1M x 32 table, dense grads + Adam, batch 1024", lambda on: setup_big(on, False), max(steps // 10, 20)),
+             ("1M x 32 table, dense grads + Adam, batch 1024", lambda on: setup_big(on, False), max(steps // 20, 5)),
              ("1M x 32 table, sparse grads + SparseAdam, batch 1024", lambda on: setup_big(on, True), steps)]
     for label, setup, n in cases:
         ratios, offs, ons = [], [], []
@@ -407,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--regimes", default=",".join(REGIMES))
     ap.add_argument("--detect-regime", default="adam1e-2", choices=list(REGIMES),
                     help="optimiser regime of the detection runs (default: one that fits ML-100k within 5 epochs)")
+    ap.add_argument("--detect-epochs", type=int, default=None, help="epochs of each detection run (5 quick, 10 full)")
+    ap.add_argument("--cases", default="abc", help="detection cases to run: a (toggling), b (group conflict), c (dead)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("traindx.probe").setLevel(logging.ERROR)  # the fixes' log lines; the table says it
@@ -416,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MovieLens-100k: {len(d.ratings)} train / {len(d.vr)} val ratings, {d.n_users} users, {d.n_items} items; "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     if args.what in ("all", "detect"):
-        detect(d, seeds[:1] if args.quick else seeds, 5 if args.quick else 10, args.detect_regime)
+        detect(d, seeds[:1] if args.quick else seeds, args.detect_epochs or (5 if args.quick else 10), args.detect_regime,
+               args.cases)
     if args.what in ("all", "fix"):
         fix_bench(d, seeds, epochs, args.regimes.split(","))
     if args.what in ("all", "overhead"):

@@ -97,17 +97,9 @@ class TableState:
         else:
             g = torch.Generator().manual_seed(seed)
             self.proj = (torch.randn(dim, self.k, generator=g) / math.sqrt(self.k)).to(dev)
-        self.touches = torch.zeros(rows, dtype=torch.int32, device=dev)
-        self.velocity = torch.zeros(rows, device=dev)
-        self.cons_num = torch.zeros(rows, device=dev)
-        self.cons_den = torch.zeros(rows, device=dev)
-        self.grad_sq = torch.zeros(rows, device=dev)
-        self.grad_mean = torch.zeros(rows, self.k, device=dev)
-        self.mean_sq = torch.zeros(rows, device=dev)
-        self.occ_sq = torch.zeros(rows, device=dev)
-        # The previous innovation: bfloat16 keeps float32's range (gradients of 1e-8 survive) at 2 bytes.
-        self.prev = torch.zeros(rows, self.k, dtype=torch.bfloat16, device=dev)
-        self.nonfinite = torch.zeros(rows, dtype=torch.bool, device=dev)
+        # Every per-row statistic lives in one (rows, 8 + 2k) float32 tensor, so that a tracked step reads
+        # and writes a touched row's state with one gather and one scatter. Columns: see _COLS.
+        self.state = torch.zeros(rows, 8 + 2 * self.k, device=dev)
         pad = {m.padding_idx for m in modules if getattr(m, "padding_idx", None) is not None}
         self.padding = torch.tensor(sorted(p % rows for p in pad), dtype=torch.long, device=dev)
         self.sparse = any(getattr(m, "sparse", False) for m in modules)
@@ -117,9 +109,6 @@ class TableState:
         # sample of rows for medians and the collapse statistics.
         self.sample = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + 1))[:SAMPLE_ROWS].sort().values.to(dev)
         self.window: list[torch.Tensor] = []
-        self.touched_count = torch.zeros((), dtype=torch.int64, device=dev)
-        self.eligible_count = torch.zeros((), dtype=torch.int64, device=dev)
-        self.nonfinite_count = torch.zeros((), dtype=torch.int64, device=dev)
         empty = torch.zeros(0, dtype=torch.long, device=dev)
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = empty, empty, empty, empty
         self.dead_scan = 0
@@ -133,9 +122,25 @@ class TableState:
         self.before: torch.Tensor | None = None
 
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (
-            self.touches, self.velocity, self.cons_num, self.cons_den, self.grad_sq,
-            self.grad_mean, self.mean_sq, self.occ_sq, self.prev, self.nonfinite))
+        return self.state.numel() * self.state.element_size()
+
+    # Views of the state's columns (reads; the tracked step writes whole rows).
+    touches = property(lambda self: self.state[:, 0])
+    velocity = property(lambda self: self.state[:, 1])
+    cons_num = property(lambda self: self.state[:, 2])
+    cons_den = property(lambda self: self.state[:, 3])
+    grad_sq = property(lambda self: self.state[:, 4])
+    mean_sq = property(lambda self: self.state[:, 5])
+    occ_sq = property(lambda self: self.state[:, 6])
+    grad_mean = property(lambda self: self.state[:, 8:8 + self.k])
+    prev = property(lambda self: self.state[:, 8 + self.k:])
+
+    @property
+    def nonfinite(self) -> torch.Tensor:
+        return self.state[:, 7] > 0
+
+    def bad_of(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.state[:, 7].index_select(0, idx) > 0
 
     def _sketch(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.proj is None else x @ self.proj
@@ -161,7 +166,7 @@ class TableState:
                     if gi.numel() else torch.zeros(idx.numel(), w.shape[1], device=w.device)
             else:  # looked up outside the modules' forward (functional call): one lookup per row
                 idx, g = gi, gv
-                count = torch.ones_like(idx)
+                count = torch.ones(idx.numel(), device=idx.device)
         else:
             if not lookups:
                 return
@@ -171,41 +176,36 @@ class TableState:
             keep = ~torch.isin(idx, self.padding)
             idx, g, count = idx[keep], g[keep], count[keep]
         g = g.detach().float()
-        # A looked-up row with an exactly zero gradient did not learn; a NaN gradient is a touch (gone bad).
-        touched = (g.abs().amax(dim=1) > 0) | ~torch.isfinite(g).all(dim=1)
-        self.idx, self.grad, self.count = idx[touched], g[touched], count[touched]
+        # A looked-up row with an exactly zero gradient did not learn; a NaN gradient (NaN != 0) is a touch.
+        touched = g.ne(0).any(dim=1)
+        self.idx, self.grad, self.count = idx[touched], g[touched], count[touched].float()
         self.before = w.detach().index_select(0, self.idx).float()
 
     def update(self, step: int, with_delta: bool) -> None:
-        """After the optimizer step (or at probe.step without an optimizer): fold this step into the rows."""
+        """After the optimizer step (or at probe.step without an optimizer): fold this step into the rows.
+
+        One gather of the rows' state, element-wise arithmetic on the touched rows, one scatter."""
         idx, g = self.idx, self.grad
         self.tracked_steps += 1
+        self.idx = self.grad = None
         if idx is None or idx.numel() == 0:
-            self.idx = self.grad = self.before = None
+            self.before = None
             return
-        dev = g.device
-        zero = torch.zeros((), device=dev)
+        k = self.k
+        old = self.state.index_select(0, idx)
         after = self.weight.detach().index_select(0, idx).float()
-        finite = torch.isfinite(after).all(dim=1) & torch.isfinite(g).all(dim=1)
-        was_bad = self.nonfinite.index_select(0, idx)
-        self.nonfinite[idx] = ~finite  # a row that went NaN is non-finite, whatever else it is
-        self.nonfinite_count += (~finite).sum() - was_bad.sum()
-        t0 = self.touches.index_select(0, idx)
-        t = t0 + finite.to(torch.int32)
-        self.touches.index_copy_(0, idx, t)
-        self.touched_count += ((t0 == 0) & (t > 0)).sum()
-        self.eligible_count += ((t0 < MIN_TOUCHES) & (t >= MIN_TOUCHES)).sum()
-        self.window.append(idx)
-        if len(self.window) > 64:  # bounded, however long the report interval
-            self.window = [torch.unique(torch.cat(self.window))]
-        tf = t.float().clamp_min(1.0)
+        finite = torch.isfinite(torch.cat([g, after], dim=1)).all(dim=1)
+        fin = finite.float()
+        t = old[:, 0] + fin  # a row that is not finite this step keeps its statistics (weights 0 below)
+        inv = 1.0 / t.clamp_min(1.0)
         # Running means until a row has 1/alpha observations, EMAs after, so that a rarely touched row is
-        # not dominated by its first values; a row that is not finite this step keeps its statistics.
-        a_fast = torch.where(finite, (1.0 / tf).clamp_min(EMA_ALPHA), zero)
-        a_slow = torch.where(finite, (1.0 / tf).clamp_min(SLOW_ALPHA), zero)
+        # not dominated by its first values.
+        a_fast = inv.clamp_min(EMA_ALPHA) * fin
+        a_slow = inv.clamp_min(SLOW_ALPHA) * fin
+        g = g * fin[:, None]  # NaN * 0 is NaN: zero the bad rows explicitly below
         g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
         gs = self._sketch(g)
-        m = self.grad_mean.index_select(0, idx)
+        m, prev = old[:, 8:8 + k], old[:, 8 + k:]
         # Direction consistency: the correlation of the row's successive gradient steps around their recent
         # mean (lag-1 autocorrelation of the innovations g_t - mean_{t-1}, as an EMA of inner products over
         # an EMA of norm products: a magnitude-weighted mean cosine in [-1, 1]). Centred, so that a trend
@@ -213,33 +213,35 @@ class TableState:
         # on gradients, not the optimizer's deltas, since momentum (Adam's beta1 = 0.9) averages successive
         # gradients and its deltas agree even when every gradient reverses the last one.
         inno = gs - m
-        prev = self.prev.index_select(0, idx).float()
-        gn = gs.norm(dim=1)
-        pair = finite & (t >= 3)  # the first innovation is against a mean of one gradient: skip it
-        a_pair = torch.where(pair, (1.0 / (tf - 2).clamp_min(1.0)).clamp_min(SLOW_ALPHA), zero)
-        cn = self.cons_num.index_select(0, idx)
-        cd = self.cons_den.index_select(0, idx)
-        self.cons_num.index_copy_(0, idx, cn + a_pair * ((inno * prev).sum(dim=1) - cn))
-        self.cons_den.index_copy_(0, idx, cd + a_pair * (inno.norm(dim=1) * prev.norm(dim=1) - cd))
-        self.prev.index_copy_(0, idx, torch.where(finite[:, None], inno, prev).to(self.prev.dtype))
-        m = m + a_fast[:, None] * (gs - m)
-        self.grad_mean.index_copy_(0, idx, m)
-        sq = self.grad_sq.index_select(0, idx)
-        self.grad_sq.index_copy_(0, idx, sq + a_slow * (gn.pow(2) - sq))
-        # Energy per lookup: a step's gradient sums one term per lookup, so ||g||^2 / lookups is what a
-        # row's data says each time, comparable between popular and rare rows.
-        oc = self.occ_sq.index_select(0, idx)
-        self.occ_sq.index_copy_(0, idx, oc + a_slow * (gn.pow(2) / self.count.float() - oc))
-        # ||mean||^2 over the fast window, averaged over the slow one once the fast window is full.
-        warm = t.float() - 1.0 / EMA_ALPHA
-        a_mean = torch.where(finite & (warm >= 1), (1.0 / warm.clamp_min(1.0)).clamp_min(SLOW_ALPHA), zero)
-        ms = self.mean_sq.index_select(0, idx)
-        self.mean_sq.index_copy_(0, idx, ms + a_mean * (m.pow(2).sum(dim=1) - ms))
-        if with_delta:
-            delta = torch.nan_to_num(after - self.before, nan=0.0, posinf=0.0, neginf=0.0)
-            v = self.velocity.index_select(0, idx)
-            self.velocity.index_copy_(0, idx, v + a_fast * (delta.norm(dim=1) - v))
-        self.idx = self.grad = self.before = None
+        # The first innovation is against a mean of one gradient: pairs count from the third touch.
+        a_pair = (1.0 / (t - 2).clamp_min(1.0)).clamp_min(SLOW_ALPHA) * (fin * (t >= 3))
+        gn2 = gs.pow(2).sum(dim=1)
+        m_new = m + a_fast[:, None] * inno
+        warm = t - 1.0 / EMA_ALPHA  # ||mean||^2 over the fast window, averaged once the window is full
+        a_mean = (1.0 / warm.clamp_min(1.0)).clamp_min(SLOW_ALPHA) * (fin * (warm >= 1))
+        delta = (after - self.before).norm(dim=1) if with_delta and self.before is not None else old[:, 1]
+        delta = torch.nan_to_num(delta, nan=0.0, posinf=0.0, neginf=0.0)
+        self.before = None
+        targets = torch.stack([
+            t,
+            delta,
+            (inno * prev).sum(dim=1),
+            inno.norm(dim=1) * prev.norm(dim=1),
+            gn2,
+            m_new.pow(2).sum(dim=1),
+            # Energy per lookup: a step's gradient sums one term per lookup, so ||g||^2 / lookups is what a
+            # row's data says each time, comparable between popular and rare rows.
+            gn2 / self.count,
+            1.0 - fin,
+        ], dim=1)
+        rates = torch.stack([torch.ones_like(t), a_fast, a_pair, a_pair, a_slow, a_mean, a_slow,
+                             torch.ones_like(t)], dim=1)
+        new = torch.cat([old[:, :8] + rates * (targets - old[:, :8]), m_new,
+                         torch.where(finite[:, None], inno, prev)], dim=1)
+        self.state.index_copy_(0, idx, new)
+        self.window.append(idx)
+        if len(self.window) > 64:  # bounded, however long the report interval
+            self.window = [torch.unique(torch.cat(self.window))]
 
     # -- derived per-row values ------------------------------------------------------------------------
     def snr(self, idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -264,7 +266,7 @@ class TableState:
 
     def eligible(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         t = self.touches if idx is None else self.touches.index_select(0, idx)
-        bad = self.nonfinite if idx is None else self.nonfinite.index_select(0, idx)
+        bad = self.nonfinite if idx is None else self.bad_of(idx)
         return (t >= MIN_TOUCHES) & ~bad
 
     def refresh_medians(self) -> None:
@@ -272,7 +274,7 @@ class TableState:
         nan = torch.tensor(float("nan"), device=self.weight.device)
         t = self.touches.index_select(0, self.sample).float()
         self.touch_median = torch.where(t > 0, t, nan).nanmedian()
-        el = (t >= MIN_TOUCHES) & ~self.nonfinite.index_select(0, self.sample)
+        el = (t >= MIN_TOUCHES) & ~self.bad_of(self.sample)
         self.occ_median = torch.where(el, self.occ_sq.index_select(0, self.sample), nan).nanmedian()
 
     def noise_excess(self, idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -319,18 +321,22 @@ class TableState:
         self.zombie_ids = ranked(cand, key, True)
         cand = torch.unique(torch.cat([win, self.rare_ids]))
         t = self.touches.index_select(0, cand).float()
-        ok = (t > 0) & ~self.nonfinite.index_select(0, cand)
+        ok = (t > 0) & ~self.bad_of(cand)
         self.rare_ids = ranked(cand, torch.where(ok, t, torch.full_like(t, inf)), False)
         cand = torch.unique(torch.cat([win, self.nonfinite_ids]))
-        self.nonfinite_ids = cand[self.nonfinite.index_select(0, cand)][:k]
+        self.nonfinite_ids = cand[self.bad_of(cand)][:k]
         self._refill_dead(k)
 
         bad = w.index_select(0, self.nonfinite_ids)
+        bad_rows = self.state[:, 7] > 0  # a few O(rows) comparisons per report: cheap next to a top-k
+        touched_count = (self.touches > 0).sum()
+        nonfinite_count = bad_rows.sum()
+        eligible_count = ((self.touches >= MIN_TOUCHES) & ~bad_rows).sum()
         untouched_bad = (self.touches.index_select(0, self.nonfinite_ids) == 0).sum()
         pad = self.padding.numel()
-        never = R - self.touched_count - untouched_bad - pad
+        never = R - touched_count - untouched_bad - pad
         st = self.sample
-        el = (self.touches.index_select(0, st) >= MIN_TOUCHES) & ~self.nonfinite.index_select(0, st)
+        el = (self.touches.index_select(0, st) >= MIN_TOUCHES) & ~self.bad_of(st)
         neg = (el & (self.consistency_of(st) < 0)).sum().double() / el.sum().clamp_min(1).double()
         rank, cosine, sampled = self._collapse()
         noise = self.noise_excess
@@ -340,10 +346,10 @@ class TableState:
                     self.consistency_of(i).double(), self.snr(i).double(), noise(i).double()]
 
         f64 = torch.float64
-        scalars = torch.stack([torch.tensor(float(R), device=dev, dtype=f64), self.touched_count.to(f64),
+        scalars = torch.stack([torch.tensor(float(R), device=dev, dtype=f64), touched_count.to(f64),
                                torch.tensor(float(win.numel()), device=dev, dtype=f64), never.to(f64),
-                               self.nonfinite_count.to(f64), self.touch_median.to(f64), self.eligible_count.to(f64),
-                               (neg * self.eligible_count.double()).round(),
+                               nonfinite_count.to(f64), self.touch_median.to(f64), eligible_count.to(f64),
+                               (neg * eligible_count.double()).round(),
                                rank.to(f64), cosine.to(f64), sampled.to(f64),
                                torch.isnan(bad).sum().to(f64), torch.isinf(bad).sum().to(f64)])
         parts = [scalars, self.dead_ids.double(), self.nonfinite_ids.double(),
@@ -357,11 +363,11 @@ class TableState:
         only shrinks and is refilled by one forward scan over the ids: O(rows) once, not per report."""
         dev = self.weight.device
         ids = self.dead_ids
-        ids = ids[(self.touches.index_select(0, ids) == 0) & ~self.nonfinite.index_select(0, ids)]
+        ids = ids[(self.touches.index_select(0, ids) == 0) & ~self.bad_of(ids)]
         while ids.numel() < k and self.dead_scan < self.rows:
             lo, hi = self.dead_scan, min(self.dead_scan + chunk, self.rows)
             span = torch.arange(lo, hi, device=dev)
-            ok = (self.touches[lo:hi] == 0) & ~self.nonfinite[lo:hi]
+            ok = (self.touches[lo:hi] == 0) & ~(self.state[lo:hi, 7] > 0)
             if self.padding.numel():
                 ok &= ~torch.isin(span, self.padding)
             found = span[ok][: k - ids.numel()]
@@ -375,7 +381,7 @@ class TableState:
         if self.dim < 4:
             return nan, nan, torch.zeros((), device=dev)
         st = self.sample
-        idx = st[(self.touches.index_select(0, st) > 0) & ~self.nonfinite.index_select(0, st)][:COLLAPSE_SAMPLE]
+        idx = st[(self.touches.index_select(0, st) > 0) & ~self.bad_of(st)][:COLLAPSE_SAMPLE]
         if idx.numel() < 2:
             return nan, nan, torch.tensor(float(idx.numel()), device=dev)
         x = self.weight.detach().index_select(0, idx).float()
