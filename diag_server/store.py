@@ -16,6 +16,10 @@ from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 
+# Columns of the stats table beyond (run, step, collection, tensor), in StatRow's field order.
+STAT_COLUMNS = ("numel", "norm", "mean", "std", "min", "max", "nan_count", "inf_count", "zero_frac",
+                "dead_frac", "saturated_frac", "update_ratio")
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS runs(
@@ -45,6 +49,8 @@ CREATE TABLE IF NOT EXISTS fixes(
 CREATE INDEX IF NOT EXISTS fixes_by_run ON fixes(run, status);
 CREATE TABLE IF NOT EXISTS audit(run TEXT, time REAL, actor TEXT, action TEXT, fix_id TEXT, detail TEXT);
 CREATE INDEX IF NOT EXISTS audit_by_run ON audit(run, time);
+CREATE TABLE IF NOT EXISTS layer_profiles(
+    run TEXT, source TEXT, name TEXT, step INTEGER, data TEXT, PRIMARY KEY(run, source, name));
 CREATE TABLE IF NOT EXISTS rule_state(run TEXT, rule TEXT, state TEXT, PRIMARY KEY(run, rule));
 """
 

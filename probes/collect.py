@@ -7,6 +7,7 @@ runs. Results stay on the tensors' device until one stacked copy to the host.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, Callable
@@ -22,6 +23,15 @@ _RELU_FAMILY = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.LeakyReLU, torch.nn.ELU,
                 torch.nn.CELU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Mish, torch.nn.Hardswish)
 _BOUNDED = {torch.nn.Tanh: (-1.0, 1.0), torch.nn.Sigmoid: (0.0, 1.0), torch.nn.Hardtanh: (-1.0, 1.0),
             torch.nn.Hardsigmoid: (0.0, 1.0), torch.nn.Softmax: (0.0, 1.0)}
+
+
+def compiled(model: torch.nn.Module) -> str | None:
+    """'wrapper' for ``torch.compile(model)``'s result, 'in-place' after ``model.compile()``, else None."""
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        return "wrapper"
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        return "in-place"
+    return None
 
 
 class HostCopy:
@@ -55,9 +65,14 @@ class Collection:
     def __init__(self, probe: Any, interval: int) -> None:
         self.probe = probe
         self.interval = interval
+        self._handles: list[Any] = []  # one-shot hooks armed for the coming sampled step
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
+
+    def next_due(self, step: int) -> int:
+        """The first step >= ``step`` this collection samples."""
+        return -(-step // self.interval) * self.interval
 
     def arm(self, step: int) -> None:
         """Called at the end of step ``step - 1`` when ``due(step)``: register one-shot hooks."""
@@ -69,8 +84,13 @@ class Collection:
         """Whether a due step also sends (a collection may track on more steps than it reports)."""
         return True
 
+    def disarm(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
     def close(self) -> None:
-        pass
+        self.disarm()
 
 
 class Weights(Collection):
@@ -112,18 +132,12 @@ class Updates(Collection):
         self._before: list[torch.Tensor] | None = None
         self._names: list[str] = []
         self._result: torch.Tensor | None = None
-        self._handles: list[Any] = []
 
     def arm(self, step: int) -> None:
         opt = self.probe.optimizer
         if opt is None:
             return
         self._handles = [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
-
-    def _disarm(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     def _pre(self, *_: Any) -> None:
         named = [(n, p) for n, p in self.probe.params if p.grad is not None]
@@ -142,7 +156,7 @@ class Updates(Collection):
         self._before = None
 
     def collect(self, step: int) -> list[HostCopy]:
-        self._disarm()
+        self.disarm()
         out = []
         if self._result is not None:
             out.append(HostCopy(self.name, step, self._names, self._result, _update_rows))
@@ -177,26 +191,38 @@ def _activation_rows(names: list[str], raw: list[list[float]]) -> list[dict]:
 
 
 def _activation_stats(y: torch.Tensor, module: torch.nn.Module | None) -> torch.Tensor:
-    """Ten numbers for one activation tensor, kept on its device."""
-    y = y.detach().float()
-    finite = torch.isfinite(y)
-    yf = torch.where(finite, y, torch.zeros((), device=y.device))
-    inf = torch.tensor(float("inf"), device=y.device)
-    dead = torch.tensor(-1.0, device=y.device)
-    sat = torch.tensor(-1.0, device=y.device)
+    """Ten numbers for one activation tensor, kept on its device (see _ACT_FIELDS)."""
+    y = y.detach()
+    if not y.is_floating_point() or y.dtype in (torch.float16, torch.bfloat16):
+        y = y.float()
+    dev = y.device
+    dead = sat = -1.0
     if module is not None and isinstance(module, _RELU_FAMILY) and y.dim() >= 2:
         # A unit is dead when it is <= 0 for every sample of the batch. Units are features (B, F),
         # channels (B, C, H, W) or, for sequences (B, T, D), the last dimension.
         dim = -1 if y.dim() == 3 else 1
-        alive = (y > 0).movedim(dim, 0).reshape(y.shape[dim], -1).any(dim=1)
-        dead = 1.0 - alive.float().mean()
+        peak = y.movedim(dim, 0).reshape(y.shape[dim], -1).amax(dim=1)
+        dead = 1.0 - (peak > 0).float().mean()
     elif module is not None and type(module) in _BOUNDED:
         lo, hi = _BOUNDED[type(module)]
         band = SATURATION_MARGIN * (hi - lo)
         sat = ((y <= lo + band) | (y >= hi - band)).float().mean()
+    n = float(y.numel())
+    if not y.is_cuda:
+        # On the host a branch is free: finite activations (the usual case) skip the masked passes.
+        ss = float(torch.linalg.vector_norm(y)) ** 2
+        if math.isfinite(ss):
+            lo_, hi_ = torch.aminmax(y)
+            zeros = n - float(torch.count_nonzero(y))
+            return torch.tensor([float(y.sum()), ss, 0.0, 0.0, zeros, float(lo_), float(hi_), n,
+                                 float(dead), float(sat)])
+    finite = torch.isfinite(y)
+    yf = torch.where(finite, y, torch.zeros((), device=dev))
+    inf = torch.tensor(float("inf"), device=dev)
+    as_t = lambda v: v.float() if isinstance(v, torch.Tensor) else torch.tensor(float(v), device=dev)  # noqa: E731
     return torch.stack([yf.sum(), (yf * yf).sum(), torch.isnan(y).sum().float(), torch.isinf(y).sum().float(),
                         (y == 0).sum().float(), torch.where(finite, y, inf).min(), torch.where(finite, y, -inf).max(),
-                        torch.tensor(float(y.numel()), device=y.device), dead, sat])
+                        torch.tensor(n, device=dev), as_t(dead), as_t(sat)])
 
 
 class Activations(Collection):
@@ -206,15 +232,27 @@ class Activations(Collection):
 
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
-        self._handles: list[Any] = []
         self._names: list[str] = []
         self._stats: list[torch.Tensor] = []
         self._done = False
         self.leaves = [(n, m) for n, m in probe.model.named_modules() if n and not list(m.children())]
+        # Inside a torch.compile'd graph, hooks added and removed on sampled steps would not fire (the
+        # graph was traced without them) or would force recompiles. On torch.compile(model)'s wrapper the
+        # model's input and output are still seen; after model.compile() in place, nothing is.
+        self.compiled = compiled(probe.model)
+        self.note = None
+        if self.compiled:
+            self.leaves = []
+            self.note = ("the model is torch.compile'd: per-layer activations are not collected (hooks inside "
+                         "a compiled graph would not fire or would force recompiles); "
+                         + ("the model's input and output are" if self.compiled == "wrapper" else "no activations are")
+                         + " collected; weights, gradients, updates and step times are unaffected")
 
     def arm(self, step: int) -> None:
         self._names, self._stats, self._done = [], [], False
         model = self.probe.model
+        if self.compiled == "in-place":
+            return
         self._handles.append(model.register_forward_pre_hook(self._on_input))
         for name, module in self.leaves:
             self._handles.append(module.register_forward_hook(self._on_output(name)))
@@ -242,13 +280,8 @@ class Activations(Collection):
         self._record("<output>", out, None)
         self._done = True  # one forward per sampled step; later forwards (eval) are not this step's
 
-    def _disarm(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
     def collect(self, step: int) -> list[HostCopy]:
-        self._disarm()
+        self.disarm()
         if not self._stats:
             return []
         stacked = torch.stack(self._stats, dim=1)
@@ -275,15 +308,16 @@ class System(Collection):
 
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
-        self._handles: list[Any] = []
         self._marks: dict[str, float] = {}
 
     def arm(self, step: int) -> None:
         self._marks = {}
         model, opt = self.probe.model, self.probe.optimizer
         mark = self._mark
-        self._handles = [model.register_forward_pre_hook(lambda *_: mark("fwd0")),
-                         model.register_forward_hook(lambda *_: mark("fwd1"))]
+        self._handles = []
+        if compiled(model) != "in-place":  # its forward hooks would run inside the compiled graph
+            self._handles += [model.register_forward_pre_hook(lambda *_: mark("fwd0")),
+                              model.register_forward_hook(lambda *_: mark("fwd1"))]
         if opt is not None:
             self._handles += [opt.register_step_pre_hook(lambda *_: mark("opt0")),
                               opt.register_step_post_hook(lambda *_: mark("opt1"))]
@@ -292,9 +326,7 @@ class System(Collection):
         self._marks.setdefault(key, time.perf_counter())
 
     def collect(self, step: int) -> list[HostCopy]:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.disarm()
         p, m, out = self.probe, self._marks, {}
         if p.steps_timed:
             out["sys/step_time"] = p.step_time_sum / p.steps_timed
@@ -303,9 +335,11 @@ class System(Collection):
             out["sys/data_wait"] = max(m["fwd0"] - p.prev_end, 0.0)
         if "fwd0" in m and "fwd1" in m:
             out["sys/forward"] = m["fwd1"] - m["fwd0"]
-        if "fwd1" in m and "opt0" in m:
+        # Lightning calls optimizer.step(closure) and runs forward and backward inside it: there the
+        # backward and optimizer phases are not separable, and would come out negative or inflated.
+        if "fwd1" in m and "opt0" in m and m["opt0"] >= m["fwd1"]:
             out["sys/backward"] = m["opt0"] - m["fwd1"]
-        if "opt0" in m and "opt1" in m:
+        if "opt0" in m and "opt1" in m and m["opt0"] >= m.get("fwd1", m["opt0"]):
             out["sys/optimizer"] = m["opt1"] - m["opt0"]
         rss = _rss_mb()
         if rss is not None:
@@ -326,6 +360,7 @@ COLLECTIONS: dict[str, type[Collection]] = {
     c.name: c for c in (Weights, Gradients, Updates, Activations, System)
 }
 
-from .embeddings import Embeddings  # noqa: E402  (it builds on Collection, defined above)
-
+from .fisher import Fisher  # noqa: E402 - opt-in curvature for compression; it subclasses Collection above
+COLLECTIONS[Fisher.name] = Fisher
+from .embeddings import Embeddings  # noqa: E402 - per-row embedding dynamics; it subclasses Collection above
 COLLECTIONS[Embeddings.name] = Embeddings

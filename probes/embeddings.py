@@ -446,6 +446,11 @@ class Embeddings(Collection):
     def due(self, step: int) -> bool:
         return bool(self.tables) and (step % self.track_every == 0 or step % self.interval == 0)
 
+    def next_due(self, step: int) -> int:
+        if not self.tables:
+            return 2**62
+        return min(-(-step // self.track_every) * self.track_every, -(-step // self.interval) * self.interval)
+
     def reports(self, step: int) -> bool:
         return step % self.interval == 0
 

@@ -8,6 +8,7 @@ collection samples does nothing but count, keep a reference to the loss, and bra
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -18,6 +19,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from . import fixes
+from .amp import ScalerWatch
 from .collect import COLLECTIONS, Collection, HostCopy
 from .sender import Sender
 from .sinks import FileSink, HttpSink, Sink
@@ -47,8 +49,9 @@ def _default_run() -> str:
 
 
 def _as_float(x: Any) -> float | None:
-    v = float(x.detach().float().item()) if isinstance(x, torch.Tensor) else float(x)
-    return v if v == v and v not in (float("inf"), float("-inf")) else None
+    """A finite float, or None for NaN/Inf (the wire's null). Raises TypeError for what is not a number."""
+    v = float(x.detach().float().mean().item()) if isinstance(x, torch.Tensor) else float(x)
+    return v if math.isfinite(v) else None
 
 
 class Probe:
@@ -66,6 +69,11 @@ class Probe:
         token: str | None = None,
         spool_dir: str | os.PathLike | None = None,
         flush_interval: float = 0.25,
+        scaler: Any = None,
+        scheduler: Any = None,
+        fisher_modules: Iterable[str] | None = None,
+        fisher_decay: float | None = None,
+        fisher_max_elements: int | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"probes.attach needs an nn.Module, got {type(model).__name__}")
@@ -81,6 +89,10 @@ class Probe:
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.allow = self._parse_allow(allow)
+        # Options of the opt-in 'fisher' collection (probes/fisher.py); read when it is built below.
+        self.fisher_modules = list(fisher_modules) if fisher_modules is not None else None
+        self.fisher_decay, self.fisher_max_elements = fisher_decay, fisher_max_elements
+        self.held_batch: tuple | None = None
         self.collections: list[Collection] = []
         wanted = collections if collections is not None else DEFAULT_COLLECTIONS
         items = wanted.items() if isinstance(wanted, Mapping) else ((c, None) for c in wanted)
@@ -100,6 +112,11 @@ class Probe:
         self.sender = Sender(sink, self.run, on_commands=self._inbox.extend, spool_dir=spool_dir,
                              flush_interval=flush_interval)
         self._target = fixes.Target(model, optimizer, self)
+        # An LR scheduler that recomputes the rate from its base_lrs (LambdaLR, Hugging Face's schedules)
+        # would undo an lr fix at its next step; lr fixes scale its base_lrs too (probes.fixes).
+        if scheduler is not None:
+            self._target.schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+        self._amp = ScalerWatch(scaler) if scaler is not None else None  # GradScaler skips (probes.amp)
         self._applied: dict[str, fixes.Applied] = {}
         self._seen_commands: set[tuple[str, str]] = set()
         self._skipped_steps = 0
@@ -117,7 +134,11 @@ class Probe:
         self.steps_timed = 0
         self.prev_end: float | None = None
         self._due: list[Collection] = []
+        self._next_due = 0
         self._send_run_start()
+        for c in self.collections:
+            if getattr(c, "note", None):  # what a collection cannot see in this job (a compiled model, say)
+                self.sender.put({"kind": "message", "step": 0, "time": time.time(), "level": "info", "text": c.note})
         self._arm(0)
         self.prev_end = time.perf_counter()
 
@@ -143,14 +164,18 @@ class Probe:
                 self._losses.append((step, loss.detach() if isinstance(loss, torch.Tensor) else loss))
             if scalars:
                 self._user_scalars.append((step, scalars))
+            if self._amp is not None:
+                self._amp.observe(step)
             if self._due:
                 self._sample(step)
-            elif len(self._losses) >= MAX_BUFFERED_LOSSES:
+                self._due = []
+            elif len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
                 self._flush_scalars()
             if self._inbox:
                 self._apply_commands(step)
             self._step = step + 1
-            self._arm(step + 1)
+            if step + 1 >= self._next_due:
+                self._arm(step + 1)
         except Exception as e:  # noqa: BLE001 - the training job comes first
             self._degrade("step", e)
             self._step = step + 1
@@ -167,11 +192,35 @@ class Probe:
         except Exception as e:  # noqa: BLE001
             self._degrade("log", e)
 
+    def defer_step_fixes(self) -> None:
+        """Run gradient fixes from ``before_optimizer_step()`` instead of optimizer step pre-hooks.
+
+        For frameworks whose ``optimizer.step(closure)`` computes the gradients inside ``step`` (Lightning),
+        where a pre-hook would act on the previous step's gradients. Call it right after attaching.
+        """
+        if self._target.deferred is None:
+            self._target.deferred = {}
+
+    def before_optimizer_step(self) -> None:
+        """After backward, before the update: run the active grad_clip / grad_scale / skip_nonfinite fixes."""
+        if self._closed or not self._target.deferred:
+            return
+        try:
+            for fn in list(self._target.deferred.values()):
+                fn()
+        except Exception as e:  # noqa: BLE001
+            self._degrade("before_optimizer_step", e)
+
+    def set_held_batch(self, inputs: Any, targets: Any, loss_fn: Any) -> None:
+        """A fixed batch the 'sensitivity' action measures the loss on: ``loss_fn(model(inputs), targets)``."""
+        self.held_batch = (inputs, targets, loss_fn)
+
     def set_interval(self, interval: int) -> None:
         self.interval = interval
         for c in self.collections:
             if c.name not in self._fixed_interval:
                 c.interval = interval
+        self._next_due = min((c.next_due(self._step + 1) for c in self.collections), default=2**62)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Send everything measured so far; True when it reached the server."""
@@ -205,7 +254,10 @@ class Probe:
 
     # -- sampling ------------------------------------------------------------------------------------
     def _arm(self, step: int) -> None:
+        """Arm the collections due at ``step``; note the next step any collection is due, so the steps
+        in between cost one comparison."""
         self._due = [c for c in self.collections if c.due(step)]
+        self._next_due = min((c.next_due(step + 1) for c in self.collections), default=2**62)
         for c in self._due:
             c.arm(step)
 
@@ -217,7 +269,7 @@ class Probe:
         if reporting:  # a step that is only tracked (embeddings) sends nothing and reads no loss
             self._flush_scalars(step)
             self._drain_in_flight(wait=False)
-        elif len(self._losses) >= MAX_BUFFERED_LOSSES:
+        elif len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
             self._flush_scalars()
 
     def reset_step_times(self) -> None:
@@ -226,26 +278,39 @@ class Probe:
 
     def _flush_scalars(self, sampled_step: int | None = None) -> None:
         """Send buffered losses and scalars. One host sync for all the loss tensors of the interval."""
+        losses, self._losses = self._losses, []
+        user, self._user_scalars = self._user_scalars, []
         by_step: dict[int, dict[str, float | None]] = {}
-        if self._losses:
-            tensors = [(s, v) for s, v in self._losses if isinstance(v, torch.Tensor)]
-            if tensors:
-                values = torch.stack([v.float().reshape(()) for _, v in tensors]).tolist()
-                for (s, _), v in zip(tensors, values):
-                    by_step.setdefault(s, {})["loss"] = v if v == v and abs(v) != float("inf") else None
-            for s, v in self._losses:
-                if not isinstance(v, torch.Tensor):
-                    by_step.setdefault(s, {})["loss"] = _as_float(v)
-            self._losses = []
-        for s, values in self._user_scalars:
-            by_step.setdefault(s, {}).update({k: _as_float(v) for k, v in values.items()})
-        self._user_scalars = []
+        tensors = [(s, v) for s, v in losses if isinstance(v, torch.Tensor)]
+        if tensors:
+            # A non-scalar loss (per-sample values) is reported as its mean.
+            values = torch.stack([v.float().mean() for _, v in tensors]).tolist()
+            for (s, _), v in zip(tensors, values):
+                by_step.setdefault(s, {})["loss"] = v if math.isfinite(v) else None
+        bad: list[str] = []
+        for s, v in losses:
+            if not isinstance(v, torch.Tensor):
+                self._put_scalar(by_step, s, "loss", v, bad)
+        for s, values in user:
+            for k, v in values.items():
+                self._put_scalar(by_step, s, k, v, bad)
+        if self._amp is not None:
+            self._amp.flush(by_step, sampled_step)
         if self.pending_scalars and sampled_step is not None:
             by_step.setdefault(sampled_step, {}).update(self.pending_scalars)
             self.pending_scalars = {}
         now = time.time()
         for s in sorted(by_step):
             self.sender.put({"kind": "scalars", "step": s, "time": now, "values": by_step[s]})
+        if bad:
+            self._degrade("scalars", TypeError(f"not a number, dropped: {', '.join(sorted(set(bad)))}"))
+
+    @staticmethod
+    def _put_scalar(by_step: dict, step: int, name: str, value: Any, bad: list[str]) -> None:
+        try:
+            by_step.setdefault(step, {})[name] = _as_float(value)
+        except (TypeError, ValueError, RuntimeError):
+            bad.append(name)
 
     def _drain_in_flight(self, *, wait: bool) -> None:
         keep = []
@@ -321,7 +386,8 @@ class Probe:
             "optimizer": opt, "torch_version": torch.__version__, "device": str(self.device),
             "world_size": int(os.environ.get("WORLD_SIZE", "1")), "rank": int(os.environ.get("RANK", "0")),
             "host": socket.gethostname(), "allow": sorted(self.allow),
-            "config": {"interval": self.interval, "collections": [c.name for c in self.collections]},
+            "config": {"interval": self.interval, "collections": [c.name for c in self.collections],
+                       "amp_scaler": self._amp is not None},
         })
 
     def _degrade(self, where: str, err: Exception) -> None:
@@ -339,6 +405,7 @@ class Probe:
             log.warning("traindx: %d probe errors; sampling switched off for this run", self._errors)
             self.collections = []
             self._due = []
+            self._next_due = 2**62
 
 
 def _hyper(v: Any) -> Any:
