@@ -14,11 +14,11 @@ and updates them only for the rows a step touched:
 - ``noise``        gradient energy per lookup over the table's median (> 1: the row's data pulls it
                    harder than its peers' data pulls them)
 
-Memory is O(rows): 77 bytes a row (seven float32/int32 scalars, a bool, and two ``SKETCH_DIM``-wide
-vectors: the mean gradient in float32 and the previous innovation in bfloat16), whatever the
-table's width, and never a copy of the table. Vectors are kept as random projections to
-``SKETCH_DIM`` dimensions (Johnson-Lindenstrauss: inner products and norms are preserved in
-expectation; exact when the table is at most ``SKETCH_DIM`` wide, e.g. bias tables).
+Memory is O(rows): one float32 tensor of 8 + 2k columns per table (eight scalars, the mean gradient and
+the previous innovation), 96 bytes a row whatever the table's width, and never a copy of the table.
+Vectors are kept as random projections to k = min(``SKETCH_DIM``, width) dimensions
+(Johnson-Lindenstrauss: inner products and norms are preserved in expectation; exact when the table is
+at most ``SKETCH_DIM`` wide, e.g. bias tables).
 
 When it runs. Temporal statistics need consecutive touches of a row, which a sample every 50th step
 cannot give (a row touched once per epoch would be seen once per 50 epochs). So the collection
@@ -47,8 +47,8 @@ import torch
 from .collect import Collection, HostCopy
 from .fixes import Applied, FixRejected, Target, _number
 
-# Width of the random projections that stand in for a row's mean gradient. 8 keeps the state at
-# 57 bytes a row (vs 128-256 for a 32-64 wide float32 row); JL error ~ 1/sqrt(8) per estimate.
+# Width of the random projections that stand in for a row's vectors. 8 keeps the state at 96 bytes a
+# row (vs 128-256 for a 32-64 wide float32 row); JL error ~ 1/sqrt(8) per estimate.
 SKETCH_DIM = 8
 # EMA weight of a new gradient in the row's mean (a 10-touch window, GradTracer's default window).
 EMA_ALPHA = 0.1
@@ -98,7 +98,9 @@ class TableState:
             g = torch.Generator().manual_seed(seed)
             self.proj = (torch.randn(dim, self.k, generator=g) / math.sqrt(self.k)).to(dev)
         # Every per-row statistic lives in one (rows, 8 + 2k) float32 tensor, so that a tracked step reads
-        # and writes a touched row's state with one gather and one scatter. Columns: see _COLS.
+        # and writes a touched row's state with one gather and one scatter. Columns: touches, velocity, consistency numerator
+        # and denominator, mean ||g||^2, mean ||mean g||^2, energy per lookup, non-finite flag, then the
+        # mean gradient (k) and the previous innovation (k); the properties below name them.
         self.state = torch.zeros(rows, 8 + 2 * self.k, device=dev)
         pad = {m.padding_idx for m in modules if getattr(m, "padding_idx", None) is not None}
         self.padding = torch.tensor(sorted(p % rows for p in pad), dtype=torch.long, device=dev)
@@ -161,9 +163,11 @@ class TableState:
             if lookups:
                 idx, count = torch.unique(torch.cat(lookups), return_counts=True)
                 pos = torch.searchsorted(gi, idx).clamp_max(max(gi.numel() - 1, 0))
-                hit = gi.numel() > 0 and gi[pos] == idx
-                g = torch.where(hit[:, None], gv[pos], torch.zeros((), dtype=gv.dtype, device=gv.device)) \
-                    if gi.numel() else torch.zeros(idx.numel(), w.shape[1], device=w.device)
+                if gi.numel():
+                    hit = gi[pos] == idx  # a looked-up row the sparse gradient does not hold has no gradient
+                    g = torch.where(hit[:, None], gv[pos], torch.zeros((), dtype=gv.dtype, device=gv.device))
+                else:
+                    g = torch.zeros(idx.numel(), w.shape[1], device=w.device)
             else:  # looked up outside the modules' forward (functional call): one lookup per row
                 idx, g = gi, gv
                 count = torch.ones(idx.numel(), device=idx.device)
