@@ -315,10 +315,15 @@ class Probe:
             c.arm(step)
 
     def _sample(self, step: int) -> None:
+        reporting = False
         for c in self._due:
             self._in_flight.extend(c.collect(step))
-        self._flush_scalars(step)
-        self._drain_in_flight(wait=False)
+            reporting = reporting or c.reports(step)
+        if reporting:  # a step that is only tracked (embeddings) sends nothing and reads no loss
+            self._flush_scalars(step)
+            self._drain_in_flight(wait=False)
+        elif len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
+            self._flush_scalars()
 
     def reset_step_times(self) -> None:
         self.step_time_sum = self.step_time_max = 0.0

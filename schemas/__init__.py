@@ -6,6 +6,8 @@ from .enums import SCHEMA_VERSION, AnomalyKind, AnomalyStatus, Collection, FixAc
 from .events import (
     MAX_EVENTS_PER_BATCH,
     Command,
+    EmbeddingRow,
+    EmbeddingSummary,
     Event,
     FixAck,
     IngestBatch,
@@ -46,7 +48,8 @@ from .records import (
 
 __all__ = [
     "SCHEMA_VERSION", "AnomalyKind", "AnomalyStatus", "Collection", "FixAction", "FixStatus", "Severity",
-    "MAX_EVENTS_PER_BATCH", "Command", "Event", "FixAck", "IngestBatch", "IngestReply", "LayerProfile", "LayerProfiles", "ModuleInfo",
+    "MAX_EVENTS_PER_BATCH", "Command", "EmbeddingRow", "EmbeddingSummary", "Event", "FixAck", "IngestBatch", "IngestReply",
+    "LayerProfile", "LayerProfiles", "ModuleInfo",
     "OptimizerInfo", "ParamInfo", "ProbeMessage", "RunEnd", "RunStart", "Scalars", "StatRow", "TensorStats",
     "TensorSlice", "TensorSnapshot",
     "Anomaly", "AnomalyPage", "AuditEntry", "AuditTrail", "Cause", "CompressionRecipe", "Diagnosis", "Error",

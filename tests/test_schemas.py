@@ -18,10 +18,10 @@ from diag_server.xml import to_xml, xsd_schema
 from schemas import events, export, records
 from schemas import (
     Anomaly, AnomalyKind, AnomalyPage, AnomalyStatus, AuditEntry, AuditTrail, Cause, Collection, Command,
-    CompressionRecipe, Diagnosis, Error, Fix, FixAck, FixAction, FixList, FixStatus, Health, IngestBatch,
-    IngestReply, LayerProfile, LayerProfiles, LayerRecipe, ModuleInfo, OptimizerInfo, ParamInfo, ProbeMessage, Run,
-    RunEnd, RunList, RunStart, RunSummary, Scalars, Series, SeriesPoint, Severity, StatRow, TensorSlice,
-    TensorSnapshot, TensorStats,
+    CompressionRecipe, Diagnosis, EmbeddingRow, EmbeddingSummary, Error, Fix, FixAck, FixAction, FixList, FixStatus,
+    Health, IngestBatch, IngestReply, LayerProfile, LayerProfiles, LayerRecipe, ModuleInfo, OptimizerInfo, ParamInfo,
+    ProbeMessage, Run, RunEnd, RunList, RunStart, RunSummary, Scalars, Series, SeriesPoint, Severity, StatRow,
+    TensorSlice, TensorSnapshot, TensorStats,
 )
 
 NAN = float("nan")
@@ -67,6 +67,11 @@ LAYER = LayerRecipe(name="fc1.weight", numel=65536, sparsity=0.5, precision="int
 CAUSE = Cause(anomaly_id="a-12", kind=AnomalyKind.exploding_gradient, step=40, tensor="fc1.weight",
               explanation="Learning rate too high for this depth.", consequences=["a-13", "a-14"])
 
+EMB_ROW = EmbeddingRow(row=17, touches=40, velocity=0.01, consistency=-0.8, snr=NAN)
+EMB_SUMMARY = EmbeddingSummary(rows=1682, dim=32, tracked_steps=300, touched_rows=1600, never_updated=50,
+                               median_touches=12.0, effective_rank=None, mean_cosine=0.1, zombies=[EMB_ROW],
+                               rarest=[EMB_ROW], dead_ids=[3, 9], nonfinite_ids=[])
+
 SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
     IngestBatch(batch_id="b-0001-abcd", run="mnist-1", seq=0,
                 events=[RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, SNAPSHOT, RUN_END, LAYER_PROFILES]),
@@ -75,7 +80,7 @@ SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
     SLICE, SNAPSHOT,
     RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END, LAYER_PROFILE, LAYER_PROFILES, COMMAND, MODULE, PARAM,
     OPTIMIZER, ROW,
-    ANOMALY,
+    ANOMALY, EMB_ROW, EMB_SUMMARY,
     AnomalyPage(run="mnist-1", anomalies=[ANOMALY], total=3, offset=0, next_offset=1),
     FIX,
     FixList(run="mnist-1", fixes=[FIX, ADVICE]),
@@ -153,7 +158,7 @@ def test_sample_xml_validates_against_the_xsd(name: str) -> None:
 def test_xml_marks_null_with_xsi_nil() -> None:
     doc = etree.fromstring(to_xml(ROW), XML_PARSER)
     nil = "{http://www.w3.org/2001/XMLSchema-instance}nil"
-    assert [el.tag for el in doc if el.get(nil) == "true"] == ["mean", "std", "max", "dead_frac", "saturated_frac"]
+    assert [el.tag for el in doc if el.get(nil) == "true"] == ["mean", "std", "max", "dead_frac", "saturated_frac", "embedding"]
     evidence = etree.fromstring(to_xml(ANOMALY), XML_PARSER).find("evidence")
     assert [(e.get("key"), e.get(nil), [i.text for i in e]) for e in evidence] == [
         ("grad_norm", None, []), ("baseline", None, []), ("ratio", "true", []), ("steps", None, ["40.0", "52.0"])]

@@ -10,6 +10,7 @@ import importlib
 
 from .activations import DeadRelu, InputNotNormalized, OutputRangeMismatch, SaturatedActivation
 from .base import Finding, Observations, Param, Rule
+from .embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
 from .gradients import ExplodingGradient, VanishingGradient
 from .loss import LossDivergence, LossNotDecreasing, OscillatingLoss, Overfitting
 from .nonfinite import NonFinite
@@ -20,7 +21,7 @@ BUILTIN: list[type[Rule]] = [
     NonFinite, ExplodingGradient, VanishingGradient, DeadRelu, SaturatedActivation, PoorWeightInit,
     AbnormalUpdateRatio, UnchangedTensor, LossNotDecreasing, LossDivergence, OscillatingLoss, Overfitting,
     InputNotNormalized, OutputRangeMismatch, DataloaderBottleneck, StepTimeOutlier, MemoryGrowth,
-    GpuMemoryFragmentation,
+    GpuMemoryFragmentation, ZombieEmbedding, DeadEmbedding, EmbeddingCollapse,
 ]
 
 

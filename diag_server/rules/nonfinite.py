@@ -13,7 +13,7 @@ from .base import Finding, Observations, Param, Rule
 # Scalars whose nulls mean "not finite". Anything else a user logs may legitimately be missing.
 _WATCHED_PREFIXES = ("loss", "val_", "sys/", "lr/")
 # Where a NaN shows first, from the earliest point of a step to the latest.
-_COLLECTIONS = ("activations", "gradients", "weights")
+_COLLECTIONS = ("activations", "gradients", "weights", "embeddings")
 # The probe sends this scalar (1.0) at each step an AMP GradScaler skipped (probes/amp.py): Inf/NaN in
 # that step's gradients is the scaler doing its job, not a fault. It always arrives no later than the
 # step's gradients (the probe sends scalars first), so remembering the last few such steps is enough.
