@@ -42,6 +42,10 @@ class Observations:
     stats: dict[str, dict[int, list[dict]]] = field(default_factory=dict)  # collection -> step -> rows
     start: dict | None = None  # the run_start event, if the run sent one
     interval: int = 50
+    rank: int = 0  # the process that sent this batch; 0 for a one-process run
+    world_size: int = 1
+    # Spans of sampled steps: dicts with step, mode, name, category, start, duration (seconds).
+    spans: list[dict] = field(default_factory=list)
 
     def series(self, name: str) -> list[tuple[int, float | None]]:
         return self.scalars.get(name, [])
