@@ -119,7 +119,7 @@ class Timeline(Collection):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook as hook
         inner = hook
 
-        def timed(st: Any, bucket: Any) -> torch.futures.Future:
+        def timed(st, bucket):  # type: ignore[no-untyped-def]  # DDP rejects hooks annotated otherwise
             t = self.comm
             if t is None:
                 return inner(st, bucket)  # not a sampled step: one attribute read, then DDP's own work

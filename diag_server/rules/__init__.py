@@ -9,11 +9,12 @@ from __future__ import annotations
 import importlib
 
 from .base import Finding, Observations, Param, Rule
+from .distributed import RULES as DISTRIBUTED
 from .gradients import ExplodingGradient
 from .loss import LossDivergence
 from .nonfinite import NonFinite
 
-BUILTIN: list[type[Rule]] = [NonFinite, ExplodingGradient, LossDivergence]
+BUILTIN: list[type[Rule]] = [NonFinite, ExplodingGradient, LossDivergence, *DISTRIBUTED]
 
 
 def load(path: str) -> type[Rule]:
