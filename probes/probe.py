@@ -196,6 +196,15 @@ class Probe:
         except Exception as e:  # noqa: BLE001
             self._degrade("log", e)
 
+    @property
+    def capturing(self) -> str | None:
+        """The id of the diagnostic capture running now, if any."""
+        return self._capture.id if self._capture is not None else None
+
+    @property
+    def captures_done(self) -> int:
+        return len(self._seen_captures) - (self._capture is not None)
+
     def span(self, name: str) -> UserSpan:
         """Time a stage of your own: ``with probe.span("preprocess"): ...``. Costs two clock reads; the
         spans are sent with the next sampled step and show on the run's timeline."""

@@ -65,7 +65,15 @@ def train(rank: int, job: dict) -> None:
     probe = probes.attach(ddp, opt, server=job["server"], interval=job.get("interval", 2), flush_interval=0.1,
                           **({"run": job["run"]} if job.get("run") else {}))
     eval_every = job.get("eval_every", 0)
-    for step in range(job.get("steps", 24)):
+    until_capture = job.get("until_capture", False)
+    for step in range(job.get("steps", 24) if not until_capture else 5000):
+        if until_capture and step >= job.get("steps", 24):
+            # Train on until every rank has finished a capture. The ranks agree through a collective,
+            # so none stops while another still waits for it at an all-reduce.
+            done = torch.tensor([float(probe.captures_done > 0)])
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            if done.item():
+                break
         x, y = next(loader)
         with probe.span("preprocess"):
             x = (x - x.mean(0)) / (x.std(0) + 1e-6)

@@ -31,7 +31,7 @@ from conftest import ROOT, ServerProcess, make_server
 pytestmark = pytest.mark.slow
 
 JOBS = [
-    {"rdzv_id": "cap2", "nproc": 2, "steps": 160, "interval": 10, "pace": 0.01, "eval_every": 40},
+    {"rdzv_id": "cap2", "nproc": 2, "steps": 60, "interval": 10, "pace": 0.01, "eval_every": 20, "until_capture": True},
     {"rdzv_id": "strag2", "nproc": 2, "steps": 24, "interval": 2, "slow_forward": "1:0.06"},
     {"rdzv_id": "data4", "nproc": 4, "steps": 24, "interval": 2, "slow_data": "2:0.06"},
     {"rdzv_id": "ok4", "nproc": 4, "steps": 24, "interval": 2},
@@ -65,40 +65,46 @@ TRACE_EVENT_FORMAT = {
 }
 
 
-async def _mcp_capture(url: str, run: str) -> dict:
+async def _mcp_capture(url: str, run: str, launcher: subprocess.Popen) -> dict:
+    """An agent, connected before the job starts, asks for a capture as soon as the run is live."""
     from mcp.client.client import Client
 
     async with Client(f"{url}/mcp") as client:
-        result = await client.call_tool("capture", {"run": run, "steps": 3})
-        assert not result.is_error, result
-        return result.structured_content
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and launcher.poll() is None:
+            runs = (await client.call_tool("list_runs", {})).structured_content["runs"]
+            if any(r["run"] == run and r["status"] == "active" for r in runs):
+                result = await client.call_tool("capture", {"run": run, "steps": 3})
+                assert not result.is_error, result
+                return result.structured_content
+            await anyio.sleep(0.05)
+    raise AssertionError(f"{run} never became active")
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server for the module: each test uses runs of its own."""
+    server = make_server(tmp_path_factory.mktemp("server"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def jobs(srv: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("distributed")
-    srv = make_server(tmp)
-    srv.start()
     todo = [{**j, "server": srv.url} for j in JOBS]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRAINDX_SPOOL": str(tmp / "spool"), "OMP_NUM_THREADS": "1"}
     launcher = subprocess.Popen([sys.executable, str(ROOT / "tests" / "ddp_job.py"), json.dumps(todo)], cwd=tmp,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        # An agent asks for a capture over MCP while the healthy 2-rank job runs.
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and launcher.poll() is None:
-            runs = httpx.get(f"{srv.url}/v1/runs").json()["runs"]
-            if any(r["run"] == "torchrun-cap2" and r["status"] == "active" for r in runs):
-                srv.capture = anyio.run(_mcp_capture, srv.url, "torchrun-cap2")
-                break
-            time.sleep(0.05)
+        srv.capture = anyio.run(_mcp_capture, srv.url, "torchrun-cap2", launcher)
         out, _ = launcher.communicate(timeout=240)
         assert launcher.returncode == 0, out.decode()[-3000:]
         yield srv
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        srv.stop()
 
 
 def _get(srv: ServerProcess, path: str, **params) -> dict:
@@ -123,8 +129,9 @@ def test_every_rank_streams_into_one_run_named_by_torchrun(jobs: ServerProcess) 
 
 
 def test_healthy_multi_rank_runs_raise_nothing(jobs: ServerProcess) -> None:
-    assert _anomalies(jobs, "torchrun-cap2") == []
-    assert _anomalies(jobs, "torchrun-ok4") == []
+    for run in ("torchrun-cap2", "torchrun-ok4"):
+        found = _anomalies(jobs, run)
+        assert found == [], [a["message"] for a in found]
 
 
 def test_a_straggler_rank_is_named_with_its_phase(jobs: ServerProcess) -> None:
@@ -214,7 +221,8 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, probe: probes.Pro
         probe.step(loss=loss)
 
 
-def test_eval_latency_is_tracked_apart_and_its_spikes_flagged(server: ServerProcess) -> None:
+def test_eval_latency_is_tracked_apart_and_its_spikes_flagged(srv: ServerProcess) -> None:
+    server = srv
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with probes.attach(model, opt, server=server.url, run="eval-1", interval=5) as probe:
@@ -238,7 +246,8 @@ def test_eval_latency_is_tracked_apart_and_its_spikes_flagged(server: ServerProc
                                                                                       ("eval", "preprocess")}
 
 
-def test_capture_over_http_in_a_single_process_run(server: ServerProcess) -> None:
+def test_capture_over_http_in_a_single_process_run(srv: ServerProcess) -> None:
+    server = srv
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with probes.attach(model, opt, server=server.url, run="cap-1", interval=50, flush_interval=0.05) as probe:
