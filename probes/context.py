@@ -91,15 +91,23 @@ class Timeline(Collection):
                               opt.register_step_post_hook(lambda *_: self._mark("opt1"))]
         if self.comm_hooked:
             self.comm = _CommTimes(self.cuda)
+        elif self.probe.world["world_size"] > 1:
+            # Without the timed communication hook, the time from this rank's last gradient being ready
+            # to the optimizer step is what it waited for the all-reduce (DDP's backward returns only
+            # when the reduction is done). One-shot hooks: nothing is left behind on other steps.
+            mark = self._mark
+            self._handles += [p.register_post_accumulate_grad_hook(lambda _p: mark("grad", last=True))
+                              for _, p in self.probe.params if p.requires_grad]
 
     def _mark(self, key: str, last: bool = False) -> None:
         if key in self._marks and not last:
             return
         self._marks[key] = time.perf_counter()
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._events[key] = ev
+            ev = self._events.get(key)
+            if ev is None:
+                ev = self._events[key] = torch.cuda.Event(enable_timing=True)
+            ev.record()  # re-recording moves a mark that is kept at its last reading ("grad", "fwd1")
 
     def _disarm(self) -> None:
         for h in self._handles:
@@ -178,6 +186,8 @@ class Timeline(Collection):
             # Time from this rank's last bucket being ready (its own backward done) to the end of the
             # collective: waiting on the network or on slower ranks, not computing.
             add("comm_wait", "comm", comm.calls[-1], max(comm.done))
+        elif "grad" in m and "opt0" in m:
+            add("comm_wait", "comm", m["grad"], m["opt0"])
         spans.extend(p.take_user_spans(clock))
         if spans:
             p.sender.put({"kind": "spans", "step": step, "time": time.time(), "mode": "train", "spans": spans})
@@ -192,7 +202,8 @@ class Timeline(Collection):
             if last is not None:
                 last.synchronize()  # one sync, on sampled steps only; the step's work is queued by now
             out = {}
-            for name, a, b in (("forward", "fwd0", "fwd1"), ("backward", "fwd1", "opt0"), ("optimizer", "opt0", "opt1")):
+            for name, a, b in (("forward", "fwd0", "fwd1"), ("backward", "fwd1", "opt0"), ("optimizer", "opt0", "opt1"),
+                               ("comm_wait", "grad", "opt0")):
                 if a in ev and b in ev:
                     out[name] = ev[a].elapsed_time(ev[b]) / 1000.0
             if comm is not None and comm.gpu_start is not None and comm.gpu_end is not None:

@@ -71,6 +71,7 @@ class Probe:
         spool_dir: str | os.PathLike | None = None,
         flush_interval: float = 0.25,
         comm_hook: Callable | None = None,
+        time_allreduce: bool = False,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"probes.attach needs an nn.Module, got {type(model).__name__}")
@@ -133,7 +134,8 @@ class Probe:
         self._capture: Capture | None = None
         self._seen_captures: set[str] = set()
         self._send_run_start()
-        self._install_comm_hook(comm_hook)
+        if comm_hook is not None or time_allreduce:
+            self._install_comm_hook(comm_hook)
         self._arm(0)
         self.prev_end = time.perf_counter()
 

@@ -63,6 +63,7 @@ def train(rank: int, job: dict) -> None:
 
     loader = iter(DataLoader(data, batch_size=16, collate_fn=collate))
     probe = probes.attach(ddp, opt, server=job["server"], interval=job.get("interval", 2), flush_interval=0.1,
+                          time_allreduce=job.get("time_allreduce", False),
                           **({"run": job["run"]} if job.get("run") else {}))
     eval_every = job.get("eval_every", 0)
     until_capture = job.get("until_capture", False)

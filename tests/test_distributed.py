@@ -32,7 +32,9 @@ pytestmark = pytest.mark.slow
 
 JOBS = [
     {"rdzv_id": "cap2", "nproc": 2, "steps": 60, "interval": 10, "pace": 0.01, "eval_every": 20, "until_capture": True},
-    {"rdzv_id": "strag2", "nproc": 2, "steps": 24, "interval": 2, "slow_forward": "1:0.06"},
+    # The straggler job times its all-reduce with the probe's communication hook; the others use the
+    # default, the gradient-ready marks.
+    {"rdzv_id": "strag2", "nproc": 2, "steps": 24, "interval": 2, "slow_forward": "1:0.06", "time_allreduce": True},
     {"rdzv_id": "data4", "nproc": 4, "steps": 24, "interval": 2, "slow_data": "2:0.06"},
     {"rdzv_id": "ok4", "nproc": 4, "steps": 24, "interval": 2},
 ]
@@ -149,6 +151,9 @@ def test_a_straggler_rank_is_named_with_its_phase(jobs: ServerProcess) -> None:
 def test_a_slow_data_loader_on_one_rank_is_named(jobs: ServerProcess) -> None:
     found = {(a["kind"], a["evidence"]["rank"], a["evidence"]["phase"]) for a in _anomalies(jobs, "torchrun-data4")}
     assert found == {("straggler_rank", 2, "data_wait"), ("dataloader_bottleneck", 2, "data_wait")}
+    # Without the communication hook, the wait at the all-reduce comes from the gradient-ready marks.
+    ranks = {r["rank"]: r["phases"] for r in _get(jobs, "/v1/runs/torchrun-data4/timeline")["ranks"]}
+    assert "allreduce" not in ranks[0] and all(ranks[r]["comm_wait"] > ranks[2]["comm_wait"] for r in (0, 1, 3))
 
 
 def test_straggler_fixes_are_advice_with_exact_instructions(jobs: ServerProcess) -> None:
