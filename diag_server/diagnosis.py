@@ -20,6 +20,8 @@ _CAUSAL_ORDER = {
     AnomalyKind.exploding_gradient: 2, AnomalyKind.dead_relu: 2, AnomalyKind.saturated_activation: 2,
     AnomalyKind.oscillating_loss: 3, AnomalyKind.loss_divergence: 3, AnomalyKind.loss_not_decreasing: 3,
     AnomalyKind.nonfinite: 4,
+    # A slow rank makes the others wait at the all-reduce: the straggler comes before the waiting.
+    AnomalyKind.straggler_rank: 1, AnomalyKind.comm_bottleneck: 2,
 }
 # An anomaly that began within this many steps after another may be its consequence.
 CONSEQUENCE_WINDOW = 500

@@ -79,6 +79,7 @@ class Timeline(Collection):
         self.cuda = probe.device.type == "cuda" and torch.cuda.is_available()
         self.comm: _CommTimes | None = None  # set only while a sampled step runs
         self.comm_hooked = False
+        self.grad_marks = True
 
     # -- arming ------------------------------------------------------------------------------------
     def arm(self, step: int) -> None:
@@ -91,13 +92,17 @@ class Timeline(Collection):
                               opt.register_step_post_hook(lambda *_: self._mark("opt1"))]
         if self.comm_hooked:
             self.comm = _CommTimes(self.cuda)
-        elif self.probe.world["world_size"] > 1:
+        elif self.grad_marks and self.probe.world["world_size"] > 1:
             # Without the timed communication hook, the time from this rank's last gradient being ready
             # to the optimizer step is what it waited for the all-reduce (DDP's backward returns only
             # when the reduction is done). One-shot hooks: nothing is left behind on other steps.
             mark = self._mark
-            self._handles += [p.register_post_accumulate_grad_hook(lambda _p: mark("grad", last=True))
-                              for _, p in self.probe.params if p.requires_grad]
+            try:
+                for _, p in self.probe.params:
+                    if p.requires_grad:
+                        self._handles.append(p.register_post_accumulate_grad_hook(lambda _p: mark("grad", last=True)))
+            except RuntimeError:  # a wrapper whose parameters take no such hook (some FSDP set-ups): go without
+                self.grad_marks = False
 
     def _mark(self, key: str, last: bool = False) -> None:
         if key in self._marks and not last:

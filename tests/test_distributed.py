@@ -197,6 +197,27 @@ def test_timeline_exports_a_valid_chrome_trace_whose_spans_line_up(jobs: ServerP
         assert a0 <= b1 and b0 <= a1, step  # one collective: both ranks are in it at once, on one clock
 
 
+def test_an_agent_reads_the_ranks_phases_over_mcp_and_people_get_xml(jobs: ServerProcess) -> None:
+    from lxml import etree
+
+    from diag_server.xml import xsd_schema
+    from mcp.client.client import Client
+
+    async def read() -> dict:
+        async with Client(f"{jobs.url}/mcp") as client:
+            result = await client.call_tool("get_timeline", {"run": "torchrun-strag2", "limit": 50})
+            assert not result.is_error, result
+            return result.structured_content
+
+    tl = anyio.run(read)
+    assert len(tl["spans"]) == 50 and tl["truncated"]
+    slow = max(tl["ranks"], key=lambda r: r["phases"]["forward"])
+    assert slow["rank"] == 1 and slow["host"] and slow["world_size"] == 2
+    r = httpx.get(f"{jobs.url}/v1/runs/torchrun-strag2/timeline", params={"format": "xml", "limit": 20})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/xml")
+    xsd_schema().assertValid(etree.fromstring(r.content))
+
+
 def test_capture_over_mcp_records_operators_and_shapes_on_every_rank(jobs: ServerProcess) -> None:
     capture = jobs.capture
     assert capture["status"] == "pending" and capture["steps"] == 3
