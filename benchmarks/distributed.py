@@ -75,13 +75,15 @@ def _overhead_rank(rank: int, cfg: dict, out: "mp.Queue") -> None:
                                 torch.nn.Linear(512, 10))
     xs = torch.randn(cfg["steps"], 64, 256)
     ys = torch.randint(0, 10, (cfg["steps"], 64))
-    times: dict[str, list[tuple[float, float]]] = {"none": [], "probe": []}  # (wall, process CPU) per block
+    kinds = ["none", "probe"] + (["probe+time_allreduce"] if cfg["time_allreduce"] else [])
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}  # (wall, process CPU) per block
     run = f"bench-ddp-{cfg['tag']}"
     for rep in range(cfg["repeats"]):
-        for kind in (("none", "probe") if rep % 2 == 0 else ("probe", "none")):
+        for kind in (kinds if rep % 2 == 0 else kinds[::-1]):
             ddp = DDP(model)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-            probe = probes.attach(ddp, opt, server=cfg["server"], run=run) if kind == "probe" else None
+            probe = (probes.attach(ddp, opt, server=cfg["server"], run=run, time_allreduce=kind.endswith("allreduce"))
+                     if kind != "none" else None)
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             for i in range(cfg["steps"]):
@@ -100,25 +102,29 @@ def _overhead_rank(rank: int, cfg: dict, out: "mp.Queue") -> None:
     dist.destroy_process_group()
 
 
-def overhead(server: str, repeats: int, steps: int) -> list[dict]:
+def overhead(server: str, repeats: int, steps: int, time_allreduce: bool = False) -> list[dict]:
     import torch.multiprocessing as tmp
 
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    cfg = {"port": free_port(), "server": server, "repeats": repeats, "steps": steps, "tag": uuid.uuid4().hex[:6]}
+    cfg = {"port": free_port(), "server": server, "repeats": repeats, "steps": steps, "tag": uuid.uuid4().hex[:6],
+           "time_allreduce": time_allreduce}
     tmp.start_processes(_overhead_rank, args=(cfg, q), nprocs=2, start_method="fork", join=True)
     rows = []
     for rank, times in sorted(q.get() for _ in range(2)):
         # Paired: each probe block against the block of the same pair, so load that drifts over the
         # run (a shared machine) cancels out; then the median over pairs.
-        pairs = list(zip(times["none"], times["probe"]))
-        rows.append({"rank": rank,
-                     "none_ms_per_step": 1e3 * statistics.median(w for w, _ in times["none"]) / steps,
-                     "probe_ms_per_step": 1e3 * statistics.median(w for w, _ in times["probe"]) / steps,
-                     "ratio": statistics.median(p[0] / n[0] for n, p in pairs),
-                     "cpu_none_ms_per_step": 1e3 * statistics.median(c for _, c in times["none"]) / steps,
-                     "cpu_probe_ms_per_step": 1e3 * statistics.median(c for _, c in times["probe"]) / steps,
-                     "cpu_ratio": statistics.median(p[1] / n[1] for n, p in pairs)})
+        for kind in times:
+            if kind == "none":
+                continue
+            pairs = list(zip(times["none"], times[kind]))
+            rows.append({"rank": rank, "kind": kind,
+                         "none_ms_per_step": 1e3 * statistics.median(w for w, _ in times["none"]) / steps,
+                         "probe_ms_per_step": 1e3 * statistics.median(w for w, _ in times[kind]) / steps,
+                         "ratio": statistics.median(p[0] / n[0] for n, p in pairs),
+                         "cpu_none_ms_per_step": 1e3 * statistics.median(c for _, c in times["none"]) / steps,
+                         "cpu_probe_ms_per_step": 1e3 * statistics.median(c for _, c in times[kind]) / steps,
+                         "cpu_ratio": statistics.median(p[1] / n[1] for n, p in pairs)})
     return rows
 
 
@@ -126,7 +132,7 @@ def overhead(server: str, repeats: int, steps: int) -> list[dict]:
 def record_batches(steps: int = 50) -> list[dict]:
     """A real probe's events over one sampling interval (default collections) of a small MLP."""
     sink = probes.MemorySink()
-    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(128, 128), torch.nn.ReLU())],
+    model = torch.nn.Sequential(*[m for _ in range(24) for m in (torch.nn.Linear(128, 128), torch.nn.ReLU())],
                                 torch.nn.Linear(128, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with probes.attach(model, opt, sink=sink, run="rec") as probe:
@@ -188,6 +194,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
     ap.add_argument("--part", choices=["all", "overhead", "ingest"], default="all")
+    ap.add_argument("--time-allreduce", action="store_true",
+                    help="also measure the probe with time_allreduce=True (the timed DDP communication hook)")
     args = ap.parse_args()
     import torch._dynamo  # noqa: F401 - DDP imports it when built; import once, before forking the ranks
 
@@ -199,8 +207,8 @@ def main() -> None:
                 repeats, steps = (8, 100) if args.quick else (20, 100)
                 print(f"\n1. probe overhead per rank, 2-rank DDP (gloo, CPU), default sampling (every "
                       f"{probes.DEFAULT_INTERVAL}th step), {repeats} alternating blocks of {steps} steps, medians")
-                for row in overhead(url, repeats, steps):
-                    print(f"   rank {row['rank']}: wall none {row['none_ms_per_step']:.3f} ms/step, probe "
+                for row in overhead(url, repeats, steps, args.time_allreduce):
+                    print(f"   rank {row['rank']} [{row['kind']}]: wall none {row['none_ms_per_step']:.3f} ms/step, probe "
                           f"{row['probe_ms_per_step']:.3f} ms/step, paired ratio {row['ratio']:.3f}; CPU none "
                           f"{row['cpu_none_ms_per_step']:.3f} ms/step, probe {row['cpu_probe_ms_per_step']:.3f} ms/step, "
                           f"paired ratio {row['cpu_ratio']:.3f} (target <= 1.03)")

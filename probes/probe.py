@@ -418,8 +418,8 @@ class Probe:
 
     def _start_capture(self, cmd: dict, step: int) -> None:
         capture_id = str(cmd.get("capture_id"))
-        if capture_id in self._seen_captures:
-            return  # the server resends until it has our result
+        if capture_id in self._seen_captures or self._mode != TRAIN:
+            return  # the server resends until it has our result: an eval block starts it afterwards
         self._seen_captures.add(capture_id)
         if self._capture is not None:
             self._message("warning", f"capture {capture_id} waits: capture {self._capture.id} is still running")
