@@ -8,6 +8,7 @@ collection samples does nothing but count, keep a reference to the loss, and bra
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
@@ -51,8 +52,9 @@ def _default_run() -> str:
 
 
 def _as_float(x: Any) -> float | None:
-    v = float(x.detach().float().item()) if isinstance(x, torch.Tensor) else float(x)
-    return v if v == v and v not in (float("inf"), float("-inf")) else None
+    """A finite float, or None for NaN/Inf (the wire's null). Raises TypeError for what is not a number."""
+    v = float(x.detach().float().mean().item()) if isinstance(x, torch.Tensor) else float(x)
+    return v if math.isfinite(v) else None
 
 
 class Probe:
@@ -133,6 +135,7 @@ class Probe:
         self._mode_stats: dict[str, list] = {}  # mode -> [steps, time sum, time max, prev end, t0, {scalar: [sum, n]}]
         self._capture: Capture | None = None
         self._seen_captures: set[str] = set()
+        self._next_due = 0
         self._send_run_start()
         if comm_hook is not None or time_allreduce:
             self._install_comm_hook(comm_hook)
@@ -171,6 +174,7 @@ class Probe:
                 self._sample(step)
                 if self._capture is not None:
                     self._capture.pause(False)
+                self._due = []
             elif len(self._losses) >= MAX_BUFFERED_LOSSES:
                 self._flush_scalars()
             if self._capture is not None:
@@ -181,7 +185,8 @@ class Probe:
             if self._inbox:
                 self._apply_commands(step)
             self._step = step + 1
-            self._arm(step + 1)
+            if step + 1 >= self._next_due:
+                self._arm(step + 1)
         except Exception as e:  # noqa: BLE001 - the training job comes first
             self._degrade("step", e)
             self._step = step + 1
@@ -235,6 +240,7 @@ class Probe:
         for c in self.collections:
             if c.name not in self._fixed_interval:
                 c.interval = interval
+        self._next_due = min((c.next_due(self._step + 1) for c in self.collections), default=2**62)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Send everything measured so far; True when it reached the server."""
@@ -274,8 +280,12 @@ class Probe:
 
     # -- sampling ------------------------------------------------------------------------------------
     def _arm(self, step: int) -> None:
-        # A capture records everything, every step.
-        self._due = [c for c in self.collections if self._capture is not None or c.due(step)]
+        """Arm the collections due at ``step``; note the next step any collection is due, so the steps
+        in between cost one comparison. A capture records everything, every step."""
+        capturing = self._capture is not None
+        self._due = [c for c in self.collections if capturing or c.due(step)]
+        self._next_due = step + 1 if capturing else min((c.next_due(step + 1) for c in self.collections),
+                                                        default=2**62)
         for c in self._due:
             c.arm(step)
 
@@ -292,26 +302,37 @@ class Probe:
 
     def _flush_scalars(self, sampled_step: int | None = None) -> None:
         """Send buffered losses and scalars. One host sync for all the loss tensors of the interval."""
+        losses, self._losses = self._losses, []
+        user, self._user_scalars = self._user_scalars, []
         by_step: dict[int, dict[str, float | None]] = {}
-        if self._losses:
-            tensors = [(s, v) for s, v in self._losses if isinstance(v, torch.Tensor)]
-            if tensors:
-                values = torch.stack([v.float().reshape(()) for _, v in tensors]).tolist()
-                for (s, _), v in zip(tensors, values):
-                    by_step.setdefault(s, {})["loss"] = v if v == v and abs(v) != float("inf") else None
-            for s, v in self._losses:
-                if not isinstance(v, torch.Tensor):
-                    by_step.setdefault(s, {})["loss"] = _as_float(v)
-            self._losses = []
-        for s, values in self._user_scalars:
-            by_step.setdefault(s, {}).update({k: _as_float(v) for k, v in values.items()})
-        self._user_scalars = []
+        tensors = [(s, v) for s, v in losses if isinstance(v, torch.Tensor)]
+        if tensors:
+            # A non-scalar loss (per-sample values) is reported as its mean.
+            values = torch.stack([v.float().mean() for _, v in tensors]).tolist()
+            for (s, _), v in zip(tensors, values):
+                by_step.setdefault(s, {})["loss"] = v if math.isfinite(v) else None
+        bad: list[str] = []
+        for s, v in losses:
+            if not isinstance(v, torch.Tensor):
+                self._put_scalar(by_step, s, "loss", v, bad)
+        for s, values in user:
+            for k, v in values.items():
+                self._put_scalar(by_step, s, k, v, bad)
         if self.pending_scalars and sampled_step is not None:
             by_step.setdefault(sampled_step, {}).update(self.pending_scalars)
             self.pending_scalars = {}
         now = time.time()
         for s in sorted(by_step):
             self.sender.put({"kind": "scalars", "step": s, "time": now, "values": by_step[s]})
+        if bad:
+            self._degrade("scalars", TypeError(f"not a number, dropped: {', '.join(sorted(set(bad)))}"))
+
+    @staticmethod
+    def _put_scalar(by_step: dict, step: int, name: str, value: Any, bad: list[str]) -> None:
+        try:
+            by_step.setdefault(step, {})[name] = _as_float(value)
+        except (TypeError, ValueError, RuntimeError):
+            bad.append(name)
 
     def _drain_in_flight(self, *, wait: bool) -> None:
         keep = []
@@ -427,6 +448,7 @@ class Probe:
             return
         steps = max(1, min(int(cmd.get("steps") or 1), 100))
         self._capture = Capture(self, capture_id, steps, bool(cmd.get("profile", True)), step + 1)
+        self._next_due = 0  # arm every collection from the next step on
         log.warning("traindx: capture %s: recording everything for steps %d-%d", capture_id, step + 1, step + steps)
 
     def _suspend(self) -> None:
@@ -504,6 +526,7 @@ class Probe:
             log.warning("traindx: %d probe errors; sampling switched off for this run", self._errors)
             self.collections = []
             self._due = []
+            self._next_due = 2**62
 
 
 class _ModeSwitch:
