@@ -43,7 +43,7 @@ def store_spans(conn: sqlite3.Connection, run: str, rank: int, events: list[Span
         for s in ev.spans:
             rows.append((run, rank, ev.step, ev.mode, s.name, s.category, s.start, s.duration, s.gpu_duration))
             out.append({"step": ev.step, "mode": ev.mode, "name": s.name, "category": s.category, "start": s.start,
-                        "duration": s.duration, "gpu_duration": s.gpu_duration})
+                        "duration": s.duration, "gpu_duration": s.gpu_duration, "capture": ev.capture})
     conn.executemany("INSERT INTO spans(run, rank, step, mode, name, category, start, duration, gpu_duration) "
                      "VALUES (?,?,?,?,?,?,?,?,?)", rows)
     return out

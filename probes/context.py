@@ -195,7 +195,10 @@ class Timeline(Collection):
             add("comm_wait", "comm", m["grad"], m["opt0"])
         spans.extend(p.take_user_spans(clock))
         if spans:
-            p.sender.put({"kind": "spans", "step": step, "time": time.time(), "mode": "train", "spans": spans})
+            event = {"kind": "spans", "step": step, "time": time.time(), "mode": "train", "spans": spans}
+            if p.capturing:
+                event["capture"] = p.capturing
+            p.sender.put(event)
         return []
 
     def _gpu_durations(self, comm: _CommTimes | None) -> dict[str, float]:

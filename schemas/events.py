@@ -152,6 +152,8 @@ class Spans(_Model):
     time: Time
     mode: str = Field("train", pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="train, eval, or a user's mode.")
     spans: list[Span] = Field(max_length=4096)
+    capture: str | None = Field(None, max_length=64, description="Set on steps a diagnostic capture recorded: "
+                                "the profiler slows them, so timing rules leave them out.")
 
 
 class OpStat(_Model):

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 import probes
 from diag_server.cli import main as cli_main
 
-from conftest import ROOT, ServerProcess, make_server
+from .conftest import ROOT, ServerProcess, make_server
 
 pytestmark = pytest.mark.slow
 

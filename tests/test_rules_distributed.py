@@ -106,3 +106,16 @@ def test_a_fix_counts_as_applied_only_when_every_rank_applied_it(tmp_path: Path)
         assert row[0] == "rejected" and "rank 1" in row[1] and "ranks 0 did apply it" in row[1]
     finally:
         store.close()
+
+
+def test_steps_slowed_by_a_capture_are_not_compared() -> None:
+    rule = CrossRankTiming()
+    state = rule.initial_state()
+    found = []
+    for step in range(0, 20, 2):
+        for rank in range(2):
+            spans = _spans(step, fwd=0.2 if rank == 0 else 0.002)
+            if rank == 0:  # rank 0 runs torch.profiler on these steps
+                spans = [{**s, "capture": "c-1"} for s in spans]
+            found += rule.observe(state, Observations(run="r", rank=rank, world_size=2, spans=spans))
+    assert found == []

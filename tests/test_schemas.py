@@ -62,7 +62,7 @@ CAUSE = Cause(anomaly_id="a-12", kind=AnomalyKind.exploding_gradient, step=40, t
               explanation="Learning rate too high for this depth.", consequences=["a-13", "a-14"])
 
 SPAN = Span(name="allreduce", category="comm", start=1700000001.25, duration=0.012, gpu_duration=0.011)
-SPANS = Spans(step=10, time=1700000001.5, mode="eval", spans=[SPAN, Span(name="preprocess", category="user",
+SPANS = Spans(step=10, time=1700000001.5, mode="eval", capture="c-1", spans=[SPAN, Span(name="preprocess", category="user",
                                                                           start=1700000001.0, duration=0.2)])
 OP = OpStat(name="aten::addmm", calls=20, cpu_time_ms=3.5, self_cpu_time_ms=2.0, cpu_memory_mb=0.5)
 SHAPE = ModuleShape(module="fc1", type="Linear", inputs=[[32, 128]], outputs=[[32, 512]])

@@ -26,8 +26,8 @@ def step_phases(spans: list[dict]) -> dict[int, dict[str, float]]:
     """Training-mode spans of one rank by step, as {phase: seconds}, with own backward and 'other' time."""
     by_step: dict[int, dict[str, float]] = {}
     for s in spans:
-        if s.get("mode", "train") != "train" or s["category"] not in ("step", "phase", "comm"):
-            continue
+        if s.get("mode", "train") != "train" or s["category"] not in ("step", "phase", "comm") or s.get("capture"):
+            continue  # eval steps, user stages, and steps slowed by a capture's profiler are not compared
         by_step.setdefault(s["step"], {})[s["name"]] = s["duration"]
     out = {}
     for step, ph in by_step.items():
