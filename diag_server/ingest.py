@@ -9,10 +9,11 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from schemas.events import (CaptureResult, Command, FixAck, IngestBatch, IngestReply, RunStart, Scalars, Spans,
-                            TensorStats)
+from schemas.events import (CaptureResult, Command, FixAck, IngestBatch, IngestReply, LayerProfiles, RunStart,
+                            Scalars, Spans, TensorStats)
 
 from . import captures, ranks
+from .compression import store_profiles
 from .engine import Engine, loss_median
 from .errors import ApiError
 from .rules import Observations
@@ -90,6 +91,8 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
             span_events.append(ev)
         elif isinstance(ev, CaptureResult):
             captures.record(conn, run, rank, ev, now)
+        elif isinstance(ev, LayerProfiles):
+            store_profiles(conn, run, ev)
         elif ev.kind == "message":
             conn.execute("INSERT INTO messages(run, step, time, level, text, rank) VALUES (?,?,?,?,?,?)",
                          (run, ev.step, ev.time, ev.level, ev.text, rank))

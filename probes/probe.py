@@ -19,6 +19,7 @@ import torch
 
 from . import fixes
 from .capture import Capture
+from .amp import ScalerWatch
 from .collect import COLLECTIONS, Collection, HostCopy
 from .context import Clock, Timeline, UserSpan, new_user_spans, world
 from .sender import Sender
@@ -74,6 +75,11 @@ class Probe:
         flush_interval: float = 0.25,
         comm_hook: Callable | None = None,
         time_allreduce: bool = False,
+        scaler: Any = None,
+        scheduler: Any = None,
+        fisher_modules: Iterable[str] | None = None,
+        fisher_decay: float | None = None,
+        fisher_max_elements: int | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"probes.attach needs an nn.Module, got {type(model).__name__}")
@@ -91,6 +97,10 @@ class Probe:
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.allow = self._parse_allow(allow)
+        # Options of the opt-in 'fisher' collection (probes/fisher.py); read when it is built below.
+        self.fisher_modules = list(fisher_modules) if fisher_modules is not None else None
+        self.fisher_decay, self.fisher_max_elements = fisher_decay, fisher_max_elements
+        self.held_batch: tuple | None = None
         self.collections: list[Collection] = []
         wanted = collections if collections is not None else DEFAULT_COLLECTIONS
         items = wanted.items() if isinstance(wanted, Mapping) else ((c, None) for c in wanted)
@@ -112,6 +122,11 @@ class Probe:
         self.sender = Sender(sink, self.run, on_commands=self._inbox.extend, spool_dir=spool_dir,
                              flush_interval=flush_interval, rank=self.world["rank"])
         self._target = fixes.Target(model, optimizer, self)
+        # An LR scheduler that recomputes the rate from its base_lrs (LambdaLR, Hugging Face's schedules)
+        # would undo an lr fix at its next step; lr fixes scale its base_lrs too (probes.fixes).
+        if scheduler is not None:
+            self._target.schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+        self._amp = ScalerWatch(scaler) if scaler is not None else None  # GradScaler skips (probes.amp)
         self._applied: dict[str, fixes.Applied] = {}
         self._seen_commands: set[tuple[str, str]] = set()
         self._skipped_steps = 0
@@ -137,6 +152,9 @@ class Probe:
         self._seen_captures: set[str] = set()
         self._next_due = 0
         self._send_run_start()
+        for c in self.collections:
+            if getattr(c, "note", None):  # what a collection cannot see in this job (a compiled model, say)
+                self.sender.put({"kind": "message", "step": 0, "time": time.time(), "level": "info", "text": c.note})
         if comm_hook is not None or time_allreduce:
             self._install_comm_hook(comm_hook)
         self._arm(0)
@@ -168,6 +186,8 @@ class Probe:
             if scalars:
                 self._user_scalars.append((step, scalars))
             self.step_called = now
+            if self._amp is not None:
+                self._amp.observe(step)
             if self._due:
                 if self._capture is not None:
                     self._capture.pause(True)
@@ -175,7 +195,7 @@ class Probe:
                 if self._capture is not None:
                     self._capture.pause(False)
                 self._due = []
-            elif len(self._losses) >= MAX_BUFFERED_LOSSES:
+            elif len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
                 self._flush_scalars()
             if self._capture is not None:
                 self._capture.step()
@@ -234,6 +254,29 @@ class Probe:
             name, t0, t1 = self._user_spans.popleft()
             out.append({"name": name, "category": "user", "start": clock.wall_of(t0), "duration": max(t1 - t0, 0.0)})
         return out
+
+    def defer_step_fixes(self) -> None:
+        """Run gradient fixes from ``before_optimizer_step()`` instead of optimizer step pre-hooks.
+
+        For frameworks whose ``optimizer.step(closure)`` computes the gradients inside ``step`` (Lightning),
+        where a pre-hook would act on the previous step's gradients. Call it right after attaching.
+        """
+        if self._target.deferred is None:
+            self._target.deferred = {}
+
+    def before_optimizer_step(self) -> None:
+        """After backward, before the update: run the active grad_clip / grad_scale / skip_nonfinite fixes."""
+        if self._closed or not self._target.deferred:
+            return
+        try:
+            for fn in list(self._target.deferred.values()):
+                fn()
+        except Exception as e:  # noqa: BLE001
+            self._degrade("before_optimizer_step", e)
+
+    def set_held_batch(self, inputs: Any, targets: Any, loss_fn: Any) -> None:
+        """A fixed batch the 'sensitivity' action measures the loss on: ``loss_fn(model(inputs), targets)``."""
+        self.held_batch = (inputs, targets, loss_fn)
 
     def set_interval(self, interval: int) -> None:
         self.interval = interval
@@ -318,6 +361,8 @@ class Probe:
         for s, values in user:
             for k, v in values.items():
                 self._put_scalar(by_step, s, k, v, bad)
+        if self._amp is not None:
+            self._amp.flush(by_step, sampled_step)
         if self.pending_scalars and sampled_step is not None:
             by_step.setdefault(sampled_step, {}).update(self.pending_scalars)
             self.pending_scalars = {}
@@ -411,7 +456,8 @@ class Probe:
             "optimizer": opt, "torch_version": torch.__version__, "device": str(self.device),
             "world_size": self.world["world_size"], "rank": self.world["rank"],
             "local_rank": self.world["local_rank"], "host": self.world["host"], "allow": sorted(self.allow),
-            "config": {"interval": self.interval, "collections": [c.name for c in self.collections]},
+            "config": {"interval": self.interval, "collections": [c.name for c in self.collections],
+                       "amp_scaler": self._amp is not None},
         })
 
     # -- execution context: modes, user spans, captures, the all-reduce ------------------------------------

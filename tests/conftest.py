@@ -77,3 +77,12 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
 @pytest.fixture
 def spool_dir(tmp_path: Path) -> Path:
     return tmp_path / "spool"
+
+
+@pytest.fixture(scope="session")
+def session_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real server shared by tests that each use their own run id (starting one costs seconds)."""
+    srv = make_server(tmp_path_factory.mktemp("session-server"))
+    srv.start()
+    yield srv
+    srv.stop()
