@@ -10,9 +10,9 @@ import orjson
 from pydantic import ValidationError
 
 from schemas.events import (CaptureResult, Command, FixAck, IngestBatch, IngestReply, LayerProfiles, RunStart,
-                            Scalars, Spans, TensorStats)
+                            Scalars, Spans, TensorSnapshot, TensorStats)
 
-from . import captures, ranks
+from . import captures, evidence, ranks
 from .compression import store_profiles
 from .engine import Engine, loss_median
 from .errors import ApiError
@@ -93,6 +93,8 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
             captures.record(conn, run, rank, ev, now)
         elif isinstance(ev, LayerProfiles):
             store_profiles(conn, run, ev)
+        elif isinstance(ev, TensorSnapshot):
+            evidence.receive(conn, run, ev, now)
         elif ev.kind == "message":
             conn.execute("INSERT INTO messages(run, step, time, level, text, rank) VALUES (?,?,?,?,?,?)",
                          (run, ev.step, ev.time, ev.level, ev.text, rank))
@@ -100,6 +102,7 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
             conn.execute("UPDATE runs SET ended=1 WHERE run=?", (run,))
             _expire_pending(conn, run, "the job ended before it picked the fix up", now)
             captures.expire(conn, run, now)
+            evidence.expire(conn, run, now)
     for series in obs.scalars.values():  # events of one batch may interleave steps
         series.sort(key=lambda p: p[0])
     conn.executemany("INSERT INTO scalars(run, step, name, value, time, rank) VALUES (?,?,?,?,?,?)", scalar_rows)
@@ -133,7 +136,7 @@ def pending_commands(conn: sqlite3.Connection, run: str) -> list[Command]:
     rows = conn.execute("SELECT id, action, params, pending_op FROM fixes WHERE run=? AND pending_op IS NOT NULL "
                         "ORDER BY seq", (run,)).fetchall()
     return [Command(fix_id=r["id"], op=r["pending_op"], action=r["action"], params=orjson.loads(r["params"]))
-            for r in rows]
+            for r in rows] + evidence.pending(conn, run)
 
 
 def _apply_ack(conn: sqlite3.Connection, run: str, ack: FixAck, now: float) -> None:

@@ -26,6 +26,8 @@ from .events import (
     RunStart,
     Scalars,
     StatRow,
+    TensorSlice,
+    TensorSnapshot,
     TensorStats,
 )
 from .records import (
@@ -60,6 +62,7 @@ __all__ = [
     "SCHEMA_VERSION", "AnomalyKind", "AnomalyStatus", "Collection", "FixAction", "FixStatus", "Severity",
     "MAX_EVENTS_PER_BATCH", "Command", "Event", "FixAck", "IngestBatch", "IngestReply", "LayerProfile", "LayerProfiles", "ModuleInfo",
     "OptimizerInfo", "ParamInfo", "ProbeMessage", "RunEnd", "RunStart", "Scalars", "StatRow", "TensorStats",
+    "TensorSlice", "TensorSnapshot",
     "Anomaly", "AnomalyPage", "AuditEntry", "AuditTrail", "Cause", "CompressionRecipe", "Diagnosis", "Error",
     "Fix", "FixList", "Health", "LayerRecipe", "Run", "RunList", "RunSummary", "Series", "SeriesPoint",
     # distributed runs and the execution-context timeline

@@ -221,6 +221,31 @@ class LayerProfiles(_Model):
     layers: list[LayerProfile] = Field(max_length=MAX_ROWS_PER_EVENT)
 
 
+class TensorSlice(_Model):
+    """A bounded piece of one tensor: its shape and dtype, and up to a few hundred of its values."""
+
+    name: TensorName
+    source: Literal["parameter", "gradient", "activation"]
+    shape: list[int] = Field(max_length=16)
+    dtype: str = Field(max_length=32)
+    numel: int = Field(ge=0)
+    offset: int = Field(0, ge=0, description="Index in the flattened tensor of values[0] (centred on the first NaN/Inf).")
+    values: list[Number] = Field(default_factory=list, max_length=1024)
+    nan_count: int = Field(0, ge=0)
+    inf_count: int = Field(0, ge=0)
+
+
+class TensorSnapshot(_Model):
+    """The job's answer to a ``snapshot`` command: slices of the tensors the server asked about."""
+
+    kind: Literal["tensor_snapshot"] = "tensor_snapshot"
+    step: Step
+    time: Time
+    request_id: str = Field(max_length=64)
+    tensors: list[TensorSlice] = Field(default_factory=list, max_length=16)
+    missing: list[str] = Field(default_factory=list, max_length=16, description="Names the job could not find.")
+
+
 class RunEnd(_Model):
     kind: Literal["run_end"] = "run_end"
     step: Step
@@ -229,7 +254,8 @@ class RunEnd(_Model):
 
 
 Event = Annotated[
-    Union[RunStart, Scalars, TensorStats, FixAck, ProbeMessage, RunEnd, LayerProfiles, Spans, CaptureResult],
+    Union[RunStart, Scalars, TensorStats, FixAck, ProbeMessage, RunEnd, LayerProfiles, TensorSnapshot, Spans,
+          CaptureResult],
     Field(discriminator="kind"),
 ]
 
@@ -245,11 +271,12 @@ class IngestBatch(_Model):
 
 
 class Command(_Model):
-    """A fix for the job to apply (or revert) at its next step boundary."""
+    """A fix for the job to apply (or revert) at its next step boundary, or (op ``snapshot``) a request for
+    bounded slices of the tensors named in ``params.tensors``, answered with a TensorSnapshot event."""
 
-    fix_id: str = Field(max_length=64)
-    op: Literal["apply", "revert"] = "apply"
-    action: FixAction
+    fix_id: str = Field(max_length=64, description="The fix's id, or the snapshot request's id.")
+    op: Literal["apply", "revert", "snapshot"] = "apply"
+    action: FixAction | None = Field(None, description="The fix action; null for a snapshot.")
     params: Params = Field(default_factory=dict)
 
 

@@ -19,8 +19,9 @@ from schemas import events, export, records
 from schemas import (
     Anomaly, AnomalyKind, AnomalyPage, AnomalyStatus, AuditEntry, AuditTrail, Cause, Collection, Command,
     CompressionRecipe, Diagnosis, Error, Fix, FixAck, FixAction, FixList, FixStatus, Health, IngestBatch,
-    IngestReply, LayerProfile, LayerProfiles, LayerRecipe, ModuleInfo, OptimizerInfo, ParamInfo, ProbeMessage, Run, RunEnd, RunList,
-    RunStart, RunSummary, Scalars, Series, SeriesPoint, Severity, StatRow, TensorStats,
+    IngestReply, LayerProfile, LayerProfiles, LayerRecipe, ModuleInfo, OptimizerInfo, ParamInfo, ProbeMessage, Run,
+    RunEnd, RunList, RunStart, RunSummary, Scalars, Series, SeriesPoint, Severity, StatRow, TensorSlice,
+    TensorSnapshot, TensorStats,
 )
 from schemas import (
     Capture, CaptureCommand, CaptureList, CaptureRank, CaptureResult, ModuleShape, OpStat, OpSummary, RankInfo,
@@ -49,6 +50,9 @@ LAYER_PROFILES = LayerProfiles(step=90, time=1700000090.0, source="held_batch", 
                                layers=[LAYER_PROFILE, LayerProfile(name="fc2.weight", numel=10, sparsities=[0.5],
                                                                    unstructured=[0.1])])
 COMMAND = Command(fix_id="f-3", action=FixAction.grad_clip, params={"max_norm": 1.0, "params": ["fc1.weight"]})
+SLICE = TensorSlice(name="encoder.layers.0", source="activation", shape=[32, 128], dtype="float32", numel=4096,
+                    offset=64, values=[0.5, NAN, None, -1.25], nan_count=2)
+SNAPSHOT = TensorSnapshot(step=13, time=1700000004.0, request_id="s-1", tensors=[SLICE], missing=["gone.weight"])
 ANOMALY = Anomaly(id="a-12", run="mnist-1", kind=AnomalyKind.exploding_gradient, severity=Severity.critical,
                   status=AnomalyStatus.open, first_step=40, last_step=52, tensors=["fc1.weight", "fc2.weight"],
                   message="Gradient norm of fc1.weight grew 40x in 10 steps.",
@@ -87,11 +91,14 @@ CAPTURE = Capture(id="c-1", run="ddp-1", status="partial", steps=5, profile=True
 
 SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
     IngestBatch(batch_id="b-0001-abcd", run="mnist-1", seq=0, rank=3,
-                events=[RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END, LAYER_PROFILES, SPANS,
+                events=[RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, SNAPSHOT, RUN_END, LAYER_PROFILES, SPANS,
                         CAPTURE_RESULT]),
-    IngestReply(accepted=6, commands=[COMMAND, Command(fix_id="f-2", op="revert", action=FixAction.lr_scale)],
+    IngestReply(accepted=6, commands=[COMMAND, Command(fix_id="f-2", op="revert", action=FixAction.lr_scale),
+                                      Command(fix_id="s-1", op="snapshot", params={"tensors": ["fc1"]})],
                 captures=[CAPTURE_COMMAND]),
-    RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END, LAYER_PROFILE, LAYER_PROFILES, COMMAND, MODULE, PARAM, OPTIMIZER, ROW,
+    SLICE, SNAPSHOT,
+    RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END, LAYER_PROFILE, LAYER_PROFILES, COMMAND, MODULE, PARAM,
+    OPTIMIZER, ROW,
     ANOMALY,
     AnomalyPage(run="mnist-1", anomalies=[ANOMALY], total=3, offset=0, next_offset=1),
     FIX,

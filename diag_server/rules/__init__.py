@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import importlib
 
+from .activations import DeadRelu, InputNotNormalized, OutputRangeMismatch, SaturatedActivation
 from .base import Finding, Observations, Param, Rule
 from .distributed import RULES as DISTRIBUTED
-from .gradients import ExplodingGradient
-from .loss import LossDivergence
+from .gradients import ExplodingGradient, VanishingGradient
+from .loss import LossDivergence, LossNotDecreasing, OscillatingLoss, Overfitting
 from .nonfinite import NonFinite
+from .system import DataloaderBottleneck, GpuMemoryFragmentation, MemoryGrowth, StepTimeOutlier
+from .weights import AbnormalUpdateRatio, PoorWeightInit, UnchangedTensor
 
-BUILTIN: list[type[Rule]] = [NonFinite, ExplodingGradient, LossDivergence, *DISTRIBUTED]
+BUILTIN: list[type[Rule]] = [
+    NonFinite, ExplodingGradient, VanishingGradient, DeadRelu, SaturatedActivation, PoorWeightInit,
+    AbnormalUpdateRatio, UnchangedTensor, LossNotDecreasing, LossDivergence, OscillatingLoss, Overfitting,
+    InputNotNormalized, OutputRangeMismatch, DataloaderBottleneck, StepTimeOutlier, MemoryGrowth,
+    GpuMemoryFragmentation, *DISTRIBUTED,
+]
 
 
 def load(path: str) -> type[Rule]:

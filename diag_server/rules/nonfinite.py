@@ -81,4 +81,6 @@ class NonFinite(Rule):
 
 
 def _rank(what: str) -> int:
-    return _COLLECTIONS.index(what) if what in _COLLECTIONS else -1  # a scalar is seen at the same step first
+    # At one step, forward order: activations (from <input> on), then the loss computed from them, then
+    # gradients and weights. A scalar alone (between samples) still names the step.
+    return {"activations": 0, "gradients": 2, "weights": 3}.get(what, 1)
