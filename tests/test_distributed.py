@@ -131,9 +131,14 @@ def test_every_rank_streams_into_one_run_named_by_torchrun(jobs: ServerProcess) 
 
 
 def test_healthy_multi_rank_runs_raise_nothing(jobs: ServerProcess) -> None:
-    for run in ("torchrun-cap2", "torchrun-ok4"):
-        found = _anomalies(jobs, run)
-        assert found == [], [a["message"] for a in found]
+    found = _anomalies(jobs, "torchrun-ok4")
+    assert found == [], [a["message"] for a in found]
+    # The 2-rank job was captured: the profiler really does slow its steps and grow its memory, which the
+    # single-process rules may say on rank 0; no cross-rank rule may blame a rank for it.
+    from diag_server.fixes_distributed import RULES
+
+    found = [a for a in _anomalies(jobs, "torchrun-cap2") if a["rule"] in RULES]
+    assert found == [], [a["message"] for a in found]
 
 
 def test_a_straggler_rank_is_named_with_its_phase(jobs: ServerProcess) -> None:

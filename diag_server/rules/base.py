@@ -77,6 +77,10 @@ class Rule:
     description: ClassVar[str] = ""
     kinds: ClassVar[tuple[AnomalyKind, ...]] = ()
     params: ClassVar[dict[str, Param]] = {}
+    # A rule that is not rank-aware sees rank 0's data only: in data-parallel training rank 0's loss,
+    # weights and gradients stand for the run, and two ranks' series interleaved would read as noise.
+    # Rank-aware rules (the cross-rank ones) set this and get every rank's batches.
+    all_ranks: ClassVar[bool] = False
 
     def __init__(self, **overrides: float) -> None:
         unknown = set(overrides) - set(self.params)

@@ -46,6 +46,7 @@ def _seen_enough(hits: list, who: object, need: int) -> bool:
 
 
 class CrossRankTiming(Rule):
+    all_ranks = True
     name = "cross_rank_timing"
     description = ("Across the ranks of a distributed run: a straggler (one rank's own time in a phase consistently "
                    "above the others', which makes the others wait at the all-reduce; a slow data loader on one "
@@ -143,6 +144,7 @@ def _latest_per_key(findings: list[Finding]) -> list[Finding]:
 
 
 class RankDataloaderBottleneck(Rule):
+    all_ranks = True
     name = "rank_dataloader_bottleneck"
     description = ("In a distributed run, one rank's training step is dominated by waiting for its next batch. "
                    "Per rank, so the diagnosis names the rank whose loader starves.")
@@ -180,6 +182,7 @@ class RankDataloaderBottleneck(Rule):
 
 
 class RankMemoryGrowth(Rule):
+    all_ranks = True
     name = "rank_memory_growth"
     description = ("In a distributed run, one rank's memory (host RSS, or CUDA memory allocated) keeps growing "
                    "sample after sample: a leak on that rank (tensors kept in a list, a growing cache).")
@@ -226,6 +229,7 @@ class RankMemoryGrowth(Rule):
 
 
 class ModeStepTimeOutlier(Rule):
+    all_ranks = True
     name = "mode_step_time_outlier"
     description = ("Evaluation or inference steps (probe.mode('eval')) with a latency spike: the slowest step of a "
                    "block far above the mode's usual step time. Training steps are judged by step_time_outlier.")
