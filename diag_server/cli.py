@@ -224,5 +224,10 @@ def schemas(check: bool) -> None:
     sys.exit(export.main(["--check"] if check else []))
 
 
+from .cli_distributed import capture_command, timeline_command  # noqa: E402
+
+main.add_command(timeline_command)
+main.add_command(capture_command)
+
 if __name__ == "__main__":
     main()

@@ -46,14 +46,16 @@ CAUSES: dict[K, set[K]] = {
     K.loss_divergence: {K.nonfinite},
     K.unchanged_tensor: {K.loss_not_decreasing},
     K.memory_growth: {K.step_time_outlier, K.gpu_memory_fragmentation},
-    K.dataloader_bottleneck: {K.step_time_outlier},
+    K.dataloader_bottleneck: {K.step_time_outlier, K.straggler_rank},
+    # A slow rank makes the others wait at the all-reduce; a starved loader on one rank makes it the slow one.
+    K.straggler_rank: {K.comm_bottleneck, K.step_time_outlier},
 }
 # At one step, which kinds come first in the usual chain of events (lower first).
 CAUSAL_ORDER = {
     K.input_not_normalized: 0, K.poor_weight_init: 0, K.output_range_mismatch: 0, K.dataloader_bottleneck: 0,
     K.abnormal_update_ratio: 1, K.saturated_activation: 1, K.dead_relu: 1, K.vanishing_gradient: 2,
     K.exploding_gradient: 2, K.unchanged_tensor: 3, K.oscillating_loss: 3, K.loss_divergence: 3,
-    K.loss_not_decreasing: 3, K.overfitting: 3, K.nonfinite: 4,
+    K.loss_not_decreasing: 3, K.overfitting: 3, K.nonfinite: 4, K.straggler_rank: 1, K.comm_bottleneck: 2,
 }
 # Kinds about throughput and memory rather than what the model learns.
 RESOURCE_KINDS = {K.dataloader_bottleneck, K.step_time_outlier, K.memory_growth, K.gpu_memory_fragmentation,

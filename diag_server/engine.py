@@ -107,6 +107,8 @@ class Engine:
         if obs.start is None:
             obs.start = self._start(conn, obs.run)
         for rule in self.rules_for(conn, obs.run, obs.start):
+            if obs.rank and not rule.all_ranks:
+                continue
             state = self._state(conn, obs.run, rule)
             findings = rule.observe(state, obs)
             conn.execute("INSERT OR REPLACE INTO rule_state(run, rule, state) VALUES (?,?,?)",

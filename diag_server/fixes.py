@@ -167,6 +167,11 @@ PROPOSERS: dict[AnomalyKind, Callable[[sqlite3.Connection, Anomaly], list[Candid
 }
 
 
+from .fixes_distributed import install as _install_distributed  # noqa: E402
+
+_install_distributed(PROPOSERS)
+
+
 def _advice(a: Anomaly) -> Candidate:
     return Candidate(FixAction.advice, {"instructions": f"No live fix is known for {a.kind.value}; see the message: "
                                         f"{a.message}"}, "Needs a change to the training code.",

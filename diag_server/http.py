@@ -178,9 +178,10 @@ def build_router(services: Services) -> APIRouter:
 
     @r.get("/v1/runs/{run}/series/{name:path}", response_model=Series, tags=["series"])
     def series(request: Request, run: str, name: str, collection: str | None = None, field: str = "norm",
-               max_points: Annotated[int, Query(ge=2, le=10000)] = 500) -> Response:
+               max_points: Annotated[int, Query(ge=2, le=10000)] = 500,
+               rank: Annotated[int | None, Query(ge=0)] = None) -> Response:
         return respond(request, queries.series(store, run, name, collection=collection, field=field,
-                                               max_points=max_points))
+                                               max_points=max_points, rank=rank))
 
     @r.get("/v1/runs/{run}/compression", response_model=CompressionRecipe, tags=["compression"])
     def compression_recipe(request: Request, run: str,
@@ -204,6 +205,8 @@ def build_router(services: Services) -> APIRouter:
     def compression_sensitivity(request: Request, run: str) -> Response:
         return respond(request, compression.request_sensitivity(store, run, actor=actor(request)))
 
+    from .distributed_api import build_router as distributed_routes
+    r.include_router(distributed_routes(services, writer))
     return r
 
 

@@ -9,10 +9,10 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from schemas.events import (Command, FixAck, IngestBatch, IngestReply, LayerProfiles, RunStart, Scalars,
-                            TensorSnapshot, TensorStats)
+from schemas.events import (CaptureResult, Command, FixAck, IngestBatch, IngestReply, LayerProfiles, RunStart,
+                            Scalars, Spans, TensorSnapshot, TensorStats)
 
-from . import evidence
+from . import captures, evidence, ranks
 from .compression import store_profiles
 from .engine import Engine, loss_median
 from .errors import ApiError
@@ -54,53 +54,70 @@ def ingest(store: Store, engine: Engine, batch: IngestBatch) -> IngestReply:
 
 
 def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: float) -> IngestReply:
-    run = batch.run
+    run, rank = batch.run, batch.rank
     if batch.events and conn.execute("SELECT 1 FROM batches WHERE batch_id=?", (batch.batch_id,)).fetchone():
-        return IngestReply(accepted=0, duplicate=True, commands=pending_commands(conn, run))
+        return _reply(conn, run, rank, accepted=0, duplicate=True)
     _touch_run(conn, run, now)
+    ranks.touch(conn, run, rank, now, max((ev.step for ev in batch.events), default=0))
     if not batch.events:  # a heartbeat: the probe asks for commands
-        return IngestReply(accepted=0, commands=pending_commands(conn, run))
+        return _reply(conn, run, rank, accepted=0)
     conn.execute("INSERT INTO batches(batch_id, run, seq, received, events) VALUES (?,?,?,?,?)",
                  (batch.batch_id, run, batch.seq, now, len(batch.events)))
-    obs = Observations(run=run, interval=_interval(conn, run))
+    obs = Observations(run=run, interval=_interval(conn, run), rank=rank)
     last_step = 0
     scalar_rows: list[tuple[Any, ...]] = []
     stat_rows: list[tuple[Any, ...]] = []
+    span_events: list[Spans] = []
     for ev in batch.events:
         last_step = max(last_step, ev.step)
         if isinstance(ev, Scalars):
             for name, value in ev.values.items():
-                scalar_rows.append((run, ev.step, name, value, ev.time))
+                scalar_rows.append((run, ev.step, name, value, ev.time, rank))
                 obs.scalars.setdefault(name, []).append((ev.step, value))
         elif isinstance(ev, TensorStats):
             rows = [r.model_dump() for r in ev.rows]
             obs.stats.setdefault(ev.collection.value, {})[ev.step] = rows
-            stat_rows.extend((run, ev.step, ev.collection.value, r["name"], *(r[c] for c in STAT_COLUMNS))
+            stat_rows.extend((run, ev.step, ev.collection.value, r["name"], *(r[c] for c in STAT_COLUMNS), rank)
                              for r in rows)
         elif isinstance(ev, RunStart):
-            conn.execute("UPDATE runs SET start=?, ended=0 WHERE run=?", (ev.model_dump_json(), run))
+            if ranks.started(conn, run, rank, ev):
+                conn.execute("UPDATE runs SET start=?, ended=0 WHERE run=?", (ev.model_dump_json(), run))
             obs.interval = int(ev.config.get("interval") or DEFAULT_INTERVAL)  # type: ignore[arg-type]
         elif isinstance(ev, FixAck):
-            _apply_ack(conn, run, ev, now)
+            settled = ranks.gather_ack(conn, run, rank, ev)
+            if settled is not None:
+                _apply_ack(conn, run, settled, now)
+        elif isinstance(ev, Spans):
+            span_events.append(ev)
+        elif isinstance(ev, CaptureResult):
+            captures.record(conn, run, rank, ev, now)
         elif isinstance(ev, LayerProfiles):
             store_profiles(conn, run, ev)
         elif isinstance(ev, TensorSnapshot):
             evidence.receive(conn, run, ev, now)
         elif ev.kind == "message":
-            conn.execute("INSERT INTO messages(run, step, time, level, text) VALUES (?,?,?,?,?)",
-                         (run, ev.step, ev.time, ev.level, ev.text))
-        elif ev.kind == "run_end":
+            conn.execute("INSERT INTO messages(run, step, time, level, text, rank) VALUES (?,?,?,?,?,?)",
+                         (run, ev.step, ev.time, ev.level, ev.text, rank))
+        elif ev.kind == "run_end" and ranks.ended(conn, run, rank):
             conn.execute("UPDATE runs SET ended=1 WHERE run=?", (run,))
             _expire_pending(conn, run, "the job ended before it picked the fix up", now)
+            captures.expire(conn, run, now)
             evidence.expire(conn, run, now)
     for series in obs.scalars.values():  # events of one batch may interleave steps
         series.sort(key=lambda p: p[0])
-    conn.executemany("INSERT INTO scalars(run, step, name, value, time) VALUES (?,?,?,?,?)", scalar_rows)
-    conn.executemany(f"INSERT INTO stats(run, step, collection, tensor, {', '.join(STAT_COLUMNS)}) "
-                     f"VALUES ({', '.join('?' * (4 + len(STAT_COLUMNS)))})", stat_rows)
+    conn.executemany("INSERT INTO scalars(run, step, name, value, time, rank) VALUES (?,?,?,?,?,?)", scalar_rows)
+    conn.executemany(f"INSERT INTO stats(run, step, collection, tensor, {', '.join(STAT_COLUMNS)}, rank) "
+                     f"VALUES ({', '.join('?' * (5 + len(STAT_COLUMNS)))})", stat_rows)
+    obs.spans = ranks.store_spans(conn, run, rank, span_events)
+    obs.world_size = ranks.world_size(conn, run)
     conn.execute("UPDATE runs SET last_step=max(last_step, ?) WHERE run=?", (last_step, run))
     engine.process(conn, obs, now)
-    return IngestReply(accepted=len(batch.events), commands=pending_commands(conn, run))
+    return _reply(conn, run, rank, accepted=len(batch.events))
+
+
+def _reply(conn: sqlite3.Connection, run: str, rank: int, **kw: Any) -> IngestReply:
+    return IngestReply(**kw, commands=ranks.commands_for(conn, rank, pending_commands(conn, run)),
+                       captures=captures.pending_for(conn, run, rank))
 
 
 def _touch_run(conn: sqlite3.Connection, run: str, now: float) -> None:

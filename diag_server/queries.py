@@ -162,17 +162,20 @@ def _clean(detail: dict) -> dict:
 
 
 def series(store: Store, run: str, name: str, *, max_points: int = 500, collection: str | None = None,
-           field: str = "norm") -> Series:
-    """A scalar series (``loss``, ``sys/step_time``, ...) or, with ``collection``, one tensor's statistic."""
+           field: str = "norm", rank: int | None = None) -> Series:
+    """A scalar series (``loss``, ``sys/step_time``, ...) or, with ``collection``, one tensor's statistic.
+    In a distributed run every rank's points are returned unless ``rank`` picks one."""
     conn = store.read()
     require_run(conn, run)
+    only = "" if rank is None else f" AND rank={int(rank)}"
     if collection is None:
-        rows = conn.execute("SELECT step, value FROM scalars WHERE run=? AND name=? ORDER BY step", (run, name)).fetchall()
+        rows = conn.execute(f"SELECT step, value FROM scalars WHERE run=? AND name=?{only} ORDER BY step",
+                            (run, name)).fetchall()
     else:
         if field not in STAT_COLUMNS:
             raise ApiError(422, "invalid_parameter", f"field must be one of {', '.join(STAT_COLUMNS)}")
-        rows = conn.execute(f"SELECT step, {field} FROM stats WHERE run=? AND collection=? AND tensor=? ORDER BY step",
-                            (run, collection, name)).fetchall()
+        rows = conn.execute(f"SELECT step, {field} FROM stats WHERE run=? AND collection=? AND tensor=?{only} "
+                            "ORDER BY step", (run, collection, name)).fetchall()
     points = [SeriesPoint(step=r[0], value=r[1]) for r in rows]
     downsampled = len(points) > max_points
     if downsampled:

@@ -27,15 +27,15 @@ CREATE TABLE IF NOT EXISTS runs(
     ended INTEGER DEFAULT 0, start TEXT);
 CREATE TABLE IF NOT EXISTS batches(
     batch_id TEXT PRIMARY KEY, run TEXT, seq INTEGER, received REAL, events INTEGER);
-CREATE TABLE IF NOT EXISTS scalars(run TEXT, step INTEGER, name TEXT, value REAL, time REAL);
+CREATE TABLE IF NOT EXISTS scalars(run TEXT, step INTEGER, name TEXT, value REAL, time REAL, rank INTEGER DEFAULT 0);
 CREATE INDEX IF NOT EXISTS scalars_by_name ON scalars(run, name, step);
 CREATE TABLE IF NOT EXISTS stats(
     run TEXT, step INTEGER, collection TEXT, tensor TEXT, numel INTEGER, norm REAL, mean REAL, std REAL,
     min REAL, max REAL, nan_count INTEGER, inf_count INTEGER, zero_frac REAL, dead_frac REAL,
-    saturated_frac REAL, update_ratio REAL);
+    saturated_frac REAL, update_ratio REAL, rank INTEGER DEFAULT 0);
 CREATE INDEX IF NOT EXISTS stats_by_tensor ON stats(run, collection, tensor, step);
 CREATE INDEX IF NOT EXISTS stats_by_step ON stats(run, step);
-CREATE TABLE IF NOT EXISTS messages(run TEXT, step INTEGER, time REAL, level TEXT, text TEXT);
+CREATE TABLE IF NOT EXISTS messages(run TEXT, step INTEGER, time REAL, level TEXT, text TEXT, rank INTEGER DEFAULT 0);
 CREATE TABLE IF NOT EXISTS anomalies(
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, kind TEXT, severity TEXT, status TEXT,
     first_step INTEGER, last_step INTEGER, resolved_step INTEGER, tensors TEXT, message TEXT, evidence TEXT,
@@ -55,7 +55,26 @@ CREATE TABLE IF NOT EXISTS rule_state(run TEXT, rule TEXT, state TEXT, PRIMARY K
 CREATE TABLE IF NOT EXISTS snapshots(
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, anomaly_id TEXT, tensors TEXT, status TEXT,
     created_at REAL, updated_at REAL, step INTEGER);
+CREATE TABLE IF NOT EXISTS ranks(
+    run TEXT, rank INTEGER, local_rank INTEGER DEFAULT 0, host TEXT DEFAULT '', world_size INTEGER DEFAULT 1,
+    last_seen REAL, last_step INTEGER DEFAULT 0, ended INTEGER DEFAULT 0, PRIMARY KEY(run, rank));
+CREATE TABLE IF NOT EXISTS spans(
+    run TEXT, rank INTEGER, step INTEGER, mode TEXT, name TEXT, category TEXT, start REAL, duration REAL,
+    gpu_duration REAL);
+CREATE INDEX IF NOT EXISTS spans_by_step ON spans(run, step, rank);
+CREATE TABLE IF NOT EXISTS fix_acks(fix_id TEXT, op TEXT, rank INTEGER, status TEXT, reason TEXT,
+    PRIMARY KEY(fix_id, op, rank));
+CREATE TABLE IF NOT EXISTS captures(
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, steps INTEGER, profile INTEGER, status TEXT,
+    requested_by TEXT, created_at REAL, updated_at REAL);
+CREATE TABLE IF NOT EXISTS capture_results(
+    capture_id TEXT, run TEXT, rank INTEGER, status TEXT, reason TEXT, first_step INTEGER, last_step INTEGER,
+    profiled INTEGER, ops TEXT, shapes TEXT, trace TEXT, trace_dropped TEXT, PRIMARY KEY(capture_id, rank));
 """
+# Columns added after a table was first released: (table, column, declaration). Stores made before them
+# get the column on open; rows already there read as rank 0, which is what a one-process run is.
+ADDED_COLUMNS = [("scalars", "rank", "INTEGER DEFAULT 0"), ("stats", "rank", "INTEGER DEFAULT 0"),
+                 ("messages", "rank", "INTEGER DEFAULT 0")]
 
 
 def _connect(path: str) -> sqlite3.Connection:
@@ -74,6 +93,10 @@ class Store:
         self.path = str(self.data_dir / "traindx.sqlite")
         self._writer = _connect(self.path)
         self._writer.executescript(SCHEMA)
+        for table, column, decl in ADDED_COLUMNS:
+            have = {r[1] for r in self._writer.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._writer.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
         self._local = threading.local()
         self._jobs: queue.Queue[tuple[Callable[[sqlite3.Connection], Any], Future] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._write_loop, name="traindx-store-writer", daemon=True)

@@ -166,10 +166,11 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         collection: Annotated[str | None, Field(description="weights, gradients, updates or activations.")] = None,
         field: Annotated[str, Field(description="Statistic of the tensor: norm, mean, std, ...")] = "norm",
         max_points: Annotated[int, Field(ge=2, le=2000)] = 100,
+        rank: Annotated[int | None, Field(ge=0, description="In a distributed run, only this rank's points.")] = None,
     ) -> Series:
         """One metric over steps, downsampled to at most max_points."""
         return await _call(queries.series, store, run, name, collection=collection, field=field,
-                           max_points=max_points)
+                           max_points=max_points, rank=rank)
 
     @server.resource("traindx://runs/{run}/report", mime_type="text/plain",
                      description="The run's diagnosis as a report a person can read.")
@@ -193,4 +194,6 @@ def build_mcp(services: Services, version: str) -> MCPServer:
                 "4) Poll get_fix_status until it is effective or ineffective; if ineffective, revert_fix and try "
                 "the next proposal. Report what you found, what you changed (before -> after) and the verdict.")
 
+    from .distributed_api import register_tools
+    register_tools(server, services)
     return server

@@ -10,17 +10,18 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import time
 import uuid
 from collections import deque
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from . import fixes
+from .capture import Capture
 from .amp import ScalerWatch
 from .collect import COLLECTIONS, Collection, HostCopy
+from .context import Clock, Timeline, UserSpan, new_user_spans, world
 from .sender import Sender
 from .sinks import FileSink, HttpSink, Sink
 from .snapshot import Snapshots
@@ -31,7 +32,10 @@ DEFAULT_SERVER = "http://127.0.0.1:8765"
 # Sample every 50th step by default: at this interval the full default set costs under 2% of a
 # ~1 ms CPU step (benchmarks/overhead.py); GradTracer and smdebug default to 100.
 DEFAULT_INTERVAL = 50
-DEFAULT_COLLECTIONS = ("weights", "gradients", "updates", "activations", "system")
+DEFAULT_COLLECTIONS = ("weights", "gradients", "updates", "activations", "system", "timeline")
+KNOWN_COLLECTIONS: dict[str, type[Collection]] = {**COLLECTIONS, Timeline.name: Timeline}
+TRAIN = "train"
+MODE_PATTERN = __import__("re").compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 # After this many internal errors the probe stops sampling altogether rather than keep failing.
 MAX_ERRORS = 20
 # Loss tensors kept between two samples, at most; beyond it they are read early (one sync).
@@ -70,6 +74,8 @@ class Probe:
         token: str | None = None,
         spool_dir: str | os.PathLike | None = None,
         flush_interval: float = 0.25,
+        comm_hook: Callable | None = None,
+        time_allreduce: bool = False,
         scaler: Any = None,
         scheduler: Any = None,
         fisher_modules: Iterable[str] | None = None,
@@ -86,6 +92,8 @@ class Probe:
         self.model = model
         self.optimizer = optimizer
         self.run = run or _default_run()
+        self.world = world()
+        self.clock = Clock()
         self.interval = interval
         self.params = [(n, p) for n, p in model.named_parameters()]
         first = next(iter(model.parameters()), None)
@@ -99,20 +107,22 @@ class Probe:
         wanted = collections if collections is not None else DEFAULT_COLLECTIONS
         items = wanted.items() if isinstance(wanted, Mapping) else ((c, None) for c in wanted)
         for name, every in items:
-            if name not in COLLECTIONS:
-                raise ValueError(f"unknown collection {name!r}; known: {sorted(COLLECTIONS)}")
-            self.collections.append(COLLECTIONS[name](self, every or interval))
+            if name not in KNOWN_COLLECTIONS:
+                raise ValueError(f"unknown collection {name!r}; known: {sorted(KNOWN_COLLECTIONS)}")
+            self.collections.append(KNOWN_COLLECTIONS[name](self, every or interval))
         self._fixed_interval = {c.name for c in self.collections} if isinstance(wanted, Mapping) else set()
 
         if sink is None:
             if server is False:
-                sink = FileSink(os.path.join(os.environ.get("TRAINDX_DATA", ".traindx"), "runs", f"{self.run}.jsonl"))
+                # One file per rank: ranks appending to one file could interleave their lines.
+                rank = f".rank{self.world['rank']}" if self.world["world_size"] > 1 else ""
+                sink = FileSink(os.path.join(os.environ.get("TRAINDX_DATA", ".traindx"), "runs", f"{self.run}{rank}.jsonl"))
             else:
                 url = server if isinstance(server, str) else os.environ.get("TRAINDX_SERVER", DEFAULT_SERVER)
                 sink = HttpSink(url, token=token)
         self._inbox: deque[dict] = deque()
         self.sender = Sender(sink, self.run, on_commands=self._inbox.extend, spool_dir=spool_dir,
-                             flush_interval=flush_interval)
+                             flush_interval=flush_interval, rank=self.world["rank"])
         self._target = fixes.Target(model, optimizer, self)
         # An LR scheduler that recomputes the rate from its base_lrs (LambdaLR, Hugging Face's schedules)
         # would undo an lr fix at its next step; lr fixes scale its base_lrs too (probes.fixes).
@@ -139,12 +149,20 @@ class Probe:
         self.step_time_max = 0.0
         self.steps_timed = 0
         self.prev_end: float | None = None
+        self.step_called: float | None = None  # when the current step() call began: the step's end
         self._due: list[Collection] = []
+        self._user_spans = new_user_spans()
+        self._mode = TRAIN
+        self._mode_stats: dict[str, list] = {}  # mode -> [steps, time sum, time max, prev end, t0, {scalar: [sum, n]}]
+        self._capture: Capture | None = None
+        self._seen_captures: set[str] = set()
         self._next_due = 0
         self._send_run_start()
         for c in self.collections:
             if getattr(c, "note", None):  # what a collection cannot see in this job (a compiled model, say)
                 self.sender.put({"kind": "message", "step": 0, "time": time.time(), "level": "info", "text": c.note})
+        if comm_hook is not None or time_allreduce:
+            self._install_comm_hook(comm_hook)
         self._arm(0)
         self.prev_end = time.perf_counter()
 
@@ -158,6 +176,9 @@ class Probe:
         if self._closed:
             return
         now = time.perf_counter()
+        if self._mode != TRAIN:
+            self._mode_step(now, loss, scalars)
+            return
         step = self._step
         try:
             if self.prev_end is not None:
@@ -170,13 +191,23 @@ class Probe:
                 self._losses.append((step, loss.detach() if isinstance(loss, torch.Tensor) else loss))
             if scalars:
                 self._user_scalars.append((step, scalars))
+            self.step_called = now
             if self._amp is not None:
                 self._amp.observe(step)
             if self._due:
+                if self._capture is not None:
+                    self._capture.pause(True)
                 self._sample(step)
+                if self._capture is not None:
+                    self._capture.pause(False)
                 self._due = []
             elif len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
                 self._flush_scalars()
+            if self._capture is not None:
+                self._capture.step()
+                if step >= self._capture.last_step:
+                    capture, self._capture = self._capture, None
+                    self.sender.put(capture.finish(step))
             if self._inbox:
                 self._apply_commands(step)
             self._step = step + 1
@@ -197,6 +228,38 @@ class Probe:
             self.sender.put({"kind": "scalars", "step": max(at, 0), "time": time.time(), "values": values})
         except Exception as e:  # noqa: BLE001
             self._degrade("log", e)
+
+    @property
+    def capturing(self) -> str | None:
+        """The id of the diagnostic capture running now, if any."""
+        return self._capture.id if self._capture is not None else None
+
+    @property
+    def captures_done(self) -> int:
+        return len(self._seen_captures) - (self._capture is not None)
+
+    def span(self, name: str) -> UserSpan:
+        """Time a stage of your own: ``with probe.span("preprocess"): ...``. Costs two clock reads; the
+        spans are sent with the next sampled step and show on the run's timeline."""
+        return UserSpan(self._user_spans, str(name)[:256] or "span")
+
+    def mode(self, mode: str) -> _ModeSwitch:
+        """Switch what ``step()`` measures: ``with probe.mode("eval"): ...`` (or call it, then ``mode("train")``).
+
+        Outside ``train`` a ``step()`` call is one evaluation or inference step: the probe times it (the
+        latency goes to ``sys/<mode>/step_time``, ``..._max`` and ``.../steps``, and losses to
+        ``<mode>/loss``), does not count it as a training step and samples nothing in it.
+        """
+        if not isinstance(mode, str) or not MODE_PATTERN.match(mode):
+            raise ValueError(f"a mode is 1-64 letters, digits, '_', '.', '-'; got {mode!r}")
+        return _ModeSwitch(self, mode)
+
+    def take_user_spans(self, clock: Clock) -> list[dict]:
+        out = []
+        while self._user_spans:
+            name, t0, t1 = self._user_spans.popleft()
+            out.append({"name": name, "category": "user", "start": clock.wall_of(t0), "duration": max(t1 - t0, 0.0)})
+        return out
 
     def defer_step_fixes(self) -> None:
         """Run gradient fixes from ``before_optimizer_step()`` instead of optimizer step pre-hooks.
@@ -284,6 +347,12 @@ class Probe:
         if self._closed:
             return
         try:
+            if self._mode != TRAIN:
+                self._switch_mode(TRAIN)
+            if self._capture is not None:
+                capture, self._capture = self._capture, None
+                self.sender.put(capture.finish(max(self._step - 1, 0)))
+            self._send_user_spans(self._step)
             for c in self.collections:
                 c.close()
             for h in list(self._target.hooks.values()):
@@ -308,9 +377,11 @@ class Probe:
     # -- sampling ------------------------------------------------------------------------------------
     def _arm(self, step: int) -> None:
         """Arm the collections due at ``step``; note the next step any collection is due, so the steps
-        in between cost one comparison."""
-        self._due = [c for c in self.collections if c.due(step)]
-        self._next_due = min((c.next_due(step + 1) for c in self.collections), default=2**62)
+        in between cost one comparison. A capture records everything, every step."""
+        capturing = self._capture is not None
+        self._due = [c for c in self.collections if capturing or c.due(step)]
+        self._next_due = step + 1 if capturing else min((c.next_due(step + 1) for c in self.collections),
+                                                        default=2**62)
         for c in self._due:
             c.arm(step)
 
@@ -322,6 +393,7 @@ class Probe:
         if reporting:  # a step that is only tracked (embeddings) sends nothing and reads no loss
             self._flush_scalars(step)
             self._drain_in_flight(wait=False)
+            self._send_user_spans(step)
         elif len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
             self._flush_scalars()
 
@@ -391,6 +463,9 @@ class Probe:
     def _apply_commands(self, step: int) -> None:
         while self._inbox:
             cmd = self._inbox.popleft()
+            if cmd.get("op") == "capture":
+                self._start_capture(cmd, step)
+                continue
             if cmd.get("op") == "_snapshots":
                 for ev in self._snapshots.poll():
                     self.sender.put(ev)
@@ -446,12 +521,109 @@ class Probe:
                         "dtype": str(p.dtype).replace("torch.", "")} for n, p in self.params],
             "total_params": sum(p.numel() for _, p in self.params),
             "optimizer": opt, "torch_version": torch.__version__, "device": str(self.device),
-            "world_size": int(os.environ.get("WORLD_SIZE", "1")), "rank": int(os.environ.get("RANK", "0")),
-            "host": socket.gethostname(), "allow": sorted(self.allow),
+            "world_size": self.world["world_size"], "rank": self.world["rank"],
+            "local_rank": self.world["local_rank"], "host": self.world["host"], "allow": sorted(self.allow),
             "config": {"interval": self.interval, "collections": [c.name for c in self.collections],
                        "amp_scaler": self._amp is not None},
             "config": {"interval": self.interval, "collections": [c.name for c in self.collections], **self.rules},
         })
+
+    # -- execution context: modes, user spans, captures, the all-reduce ------------------------------------
+    def _install_comm_hook(self, hook: Callable | None) -> None:
+        timeline = next((c for c in self.collections if isinstance(c, Timeline)), None)
+        try:
+            if timeline is not None:
+                why = timeline.install_comm_hook(self.model, hook)
+                if why is not None and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+                    self._message("warning", f"all-reduce timing is off: {why}")
+            elif hook is not None:
+                self.model.register_comm_hook(None, hook)
+        except Exception as e:  # noqa: BLE001
+            self._degrade("comm_hook", e)
+
+    def _message(self, level: str, text: str) -> None:
+        log.warning("traindx: %s", text)
+        self.sender.put({"kind": "message", "step": self._step, "time": time.time(), "level": level, "text": text[:4000]})
+
+    def _send_user_spans(self, step: int) -> None:
+        if self._user_spans:
+            self.clock.anchor()
+            self.sender.put({"kind": "spans", "step": step, "time": time.time(), "mode": self._mode,
+                             "spans": self.take_user_spans(self.clock)})
+
+    def _start_capture(self, cmd: dict, step: int) -> None:
+        capture_id = str(cmd.get("capture_id"))
+        if capture_id in self._seen_captures or self._mode != TRAIN:
+            return  # the server resends until it has our result: an eval block starts it afterwards
+        self._seen_captures.add(capture_id)
+        if self._capture is not None:
+            self._message("warning", f"capture {capture_id} waits: capture {self._capture.id} is still running")
+            self._seen_captures.discard(capture_id)
+            return
+        steps = max(1, min(int(cmd.get("steps") or 1), 100))
+        self._capture = Capture(self, capture_id, steps, bool(cmd.get("profile", True)), step + 1)
+        self._next_due = 0  # arm every collection from the next step on
+        log.warning("traindx: capture %s: recording everything for steps %d-%d", capture_id, step + 1, step + steps)
+
+    def _suspend(self) -> None:
+        """Take the one-shot hooks of the armed collections off (for eval steps in between)."""
+        for c in self._due:
+            for h in getattr(c, "_handles", []):
+                h.remove()
+            if hasattr(c, "_handles"):
+                c._handles = []
+
+    def _switch_mode(self, mode: str) -> None:
+        if mode == self._mode:
+            return
+        old = self._mode
+        if old == TRAIN:
+            self._suspend()
+        else:
+            self._flush_mode(old)
+        self._mode = mode
+        now = time.perf_counter()
+        if mode == TRAIN:
+            self._arm(self._step)
+            self.prev_end = now  # the eval block is not the next training step's data wait
+        else:
+            self._mode_stats[mode] = [0, 0.0, 0.0, now, now, {}]
+
+    def _mode_step(self, now: float, loss: Any, scalars: dict) -> None:
+        try:
+            st = self._mode_stats[self._mode]
+            dt = now - st[3]
+            st[0] += 1
+            st[1] += dt
+            st[2] = max(st[2], dt)
+            values = dict(scalars)
+            if loss is not None:
+                values["loss"] = loss
+            for k, v in values.items():
+                acc = st[5].setdefault(k, [0.0, 0])
+                acc[0] += v.detach().float() if isinstance(v, torch.Tensor) else float(v)  # summed on device
+                acc[1] += 1
+            if self._inbox:
+                self._apply_commands(self._step)
+        except Exception as e:  # noqa: BLE001
+            self._degrade("mode_step", e)
+        self._mode_stats[self._mode][3] = time.perf_counter()
+
+    def _flush_mode(self, mode: str) -> None:
+        st = self._mode_stats.pop(mode, None)
+        if not st or not st[0]:
+            return
+        n, total, worst, _, t0, acc = st
+        values: dict[str, float | None] = {f"sys/{mode}/step_time": total / n, f"sys/{mode}/step_time_max": worst,
+                                           f"sys/{mode}/steps": float(n)}
+        for k, (s, c) in acc.items():
+            values[f"{mode}/{k}"] = _as_float(s / c)  # one host read per scalar per block
+        at = max(self._step - 1, 0)
+        self.sender.put({"kind": "scalars", "step": at, "time": time.time(), "values": values})
+        self.clock.anchor()
+        self._user_spans.append((mode, t0, time.perf_counter()))
+        self.sender.put({"kind": "spans", "step": at, "time": time.time(), "mode": mode,
+                         "spans": self.take_user_spans(self.clock)})
 
     def _degrade(self, where: str, err: Exception) -> None:
         self._errors += 1
@@ -469,6 +641,26 @@ class Probe:
             self.collections = []
             self._due = []
             self._next_due = 2**62
+
+
+class _ModeSwitch:
+    """Returned by ``probe.mode(m)``: the mode is switched at once; leaving a ``with`` block switches back."""
+
+    def __init__(self, probe: Probe, mode: str) -> None:
+        self.probe, self.previous = probe, probe._mode
+        try:
+            probe._switch_mode(mode)
+        except Exception as e:  # noqa: BLE001
+            probe._degrade("mode", e)
+
+    def __enter__(self) -> Probe:
+        return self.probe
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.probe._switch_mode(self.previous)
+        except Exception as e:  # noqa: BLE001
+            self.probe._degrade("mode", e)
 
 
 def _rule_config(rules: Mapping[str, Mapping[str, float] | bool] | None) -> dict:

@@ -50,9 +50,11 @@ class Sender:
         flush_interval: float = 0.25,
         heartbeat: float = 1.0,
         max_spool_bytes: int = 256 << 20,
+        rank: int = 0,
     ) -> None:
         self.sink = sink
         self.run = run
+        self.rank = rank
         self.on_commands = on_commands
         self.max_queue = max_queue
         self.max_batch = max_batch
@@ -145,6 +147,8 @@ class Sender:
         if not events and now - self._last_contact < self.heartbeat:
             return
         batch = {"batch_id": uuid.uuid4().hex, "run": self.run, "seq": self._seq, "events": events}
+        if self.rank:  # a one-process run sends the batch it always did; the server reads a missing rank as 0
+            batch["rank"] = self.rank
         self._seq += 1
         if now < self._next_try or not self._drain_spools():
             if events:
@@ -171,6 +175,9 @@ class Sender:
         commands = reply.get("commands") if isinstance(reply, dict) else None
         if commands and self.on_commands is not None:
             self.on_commands(commands)
+        captures = reply.get("captures") if isinstance(reply, dict) else None
+        if captures and self.on_commands is not None:
+            self.on_commands([{**c, "op": "capture"} for c in captures])
         return True
 
     def _failed(self, err: Exception) -> None:

@@ -5,6 +5,12 @@ from __future__ import annotations
 from .enums import SCHEMA_VERSION, AnomalyKind, AnomalyStatus, Collection, FixAction, FixStatus, Severity
 from .events import (
     MAX_EVENTS_PER_BATCH,
+    CaptureCommand,
+    CaptureResult,
+    ModuleShape,
+    OpStat,
+    Span,
+    Spans,
     Command,
     EmbeddingRow,
     EmbeddingSummary,
@@ -31,6 +37,9 @@ from .records import (
     AnomalyPage,
     AuditEntry,
     AuditTrail,
+    Capture,
+    CaptureList,
+    CaptureRank,
     Cause,
     CompressionRecipe,
     Diagnosis,
@@ -39,11 +48,16 @@ from .records import (
     FixList,
     Health,
     LayerRecipe,
+    OpSummary,
+    RankInfo,
     Run,
     RunList,
     RunSummary,
     Series,
     SeriesPoint,
+    ShapeInfo,
+    Timeline,
+    TimelineSpan,
 )
 
 __all__ = [
@@ -54,4 +68,7 @@ __all__ = [
     "TensorSlice", "TensorSnapshot",
     "Anomaly", "AnomalyPage", "AuditEntry", "AuditTrail", "Cause", "CompressionRecipe", "Diagnosis", "Error",
     "Fix", "FixList", "Health", "LayerRecipe", "Run", "RunList", "RunSummary", "Series", "SeriesPoint",
+    # distributed runs and the execution-context timeline
+    "CaptureCommand", "CaptureResult", "ModuleShape", "OpStat", "Span", "Spans", "Capture", "CaptureList",
+    "CaptureRank", "OpSummary", "RankInfo", "ShapeInfo", "Timeline", "TimelineSpan",
 ]

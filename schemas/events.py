@@ -63,6 +63,7 @@ class RunStart(_Model):
     device: str = Field("cpu", max_length=64)
     world_size: int = Field(1, ge=1)
     rank: int = Field(0, ge=0)
+    local_rank: int = Field(0, ge=0, description="Rank within its host (LOCAL_RANK under torchrun).")
     host: str = Field("", max_length=256)
     allow: list[FixAction] = Field(default_factory=list, description="Fix actions this job accepts.")
     config: Params = Field(default_factory=dict, description="The probe's own configuration.")
@@ -171,6 +172,72 @@ class ProbeMessage(_Model):
     text: str = Field(max_length=4000)
 
 
+SPAN_CATEGORIES = ("step", "phase", "comm", "user")
+MAX_TRACE_CHARS = 8 << 20
+
+
+class Span(_Model):
+    """One timed stretch of a step on one rank: a phase, the gradient all-reduce, or a user's stage."""
+
+    name: TensorName = Field(description="data_wait, forward, backward, allreduce, comm_wait, optimizer, step, "
+                                         "or a user's own span name.")
+    category: Literal["step", "phase", "comm", "user"] = "phase"
+    start: Time = Field(description="Wall-clock start (Unix seconds), comparable across ranks and hosts.")
+    duration: float = Field(ge=0, allow_inf_nan=False, description="Seconds.")
+    gpu_duration: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                       description="Seconds of GPU work, timed with CUDA events, where present.")
+
+
+class Spans(_Model):
+    """The execution context of one sampled step (or one step of a capture) on the sending rank."""
+
+    kind: Literal["spans"] = "spans"
+    step: Step
+    time: Time
+    mode: str = Field("train", pattern=r"^[A-Za-z0-9_.\-]{1,64}$", description="train, eval, or a user's mode.")
+    spans: list[Span] = Field(max_length=4096)
+    capture: str | None = Field(None, max_length=64, description="Set on steps a diagnostic capture recorded: "
+                                "the profiler slows them, so timing rules leave them out.")
+
+
+class OpStat(_Model):
+    """One operator of a torch.profiler capture, aggregated over the captured steps."""
+
+    name: str = Field(max_length=512)
+    calls: int = Field(ge=0)
+    cpu_time_ms: Finite = Field(description="Total CPU time, children included.")
+    self_cpu_time_ms: Finite
+    device_time_ms: Finite = 0.0
+    self_device_time_ms: Finite = 0.0
+    cpu_memory_mb: Finite = Field(0.0, description="Self CPU memory allocated (negative: freed).")
+    device_memory_mb: Finite = 0.0
+
+
+class ModuleShape(_Model):
+    module: TensorName
+    type: str = Field(max_length=128)
+    inputs: list[list[int]] = Field(default_factory=list, max_length=64)
+    outputs: list[list[int]] = Field(default_factory=list, max_length=64)
+
+
+class CaptureResult(_Model):
+    """What a diagnostic capture recorded on this rank: operator breakdown, tensor shapes, profiler trace."""
+
+    kind: Literal["capture"] = "capture"
+    step: Step = Field(description="The first captured step.")
+    time: Time
+    capture_id: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    last_step: Step
+    status: Literal["done", "failed"] = "done"
+    reason: str | None = Field(None, max_length=2000)
+    profiled: bool = False
+    ops: list[OpStat] = Field(default_factory=list, max_length=500)
+    shapes: list[ModuleShape] = Field(default_factory=list, max_length=10000)
+    trace: str | None = Field(None, max_length=MAX_TRACE_CHARS,
+                              description="torch.profiler's Chrome trace (JSON text); null when too large.")
+    trace_dropped: str | None = Field(None, max_length=500, description="Why the trace is not attached.")
+
+
 class LayerProfile(_Model):
     """One weight's loss increase at each sparsity of a grid, whole output channels, and each cast."""
 
@@ -231,7 +298,8 @@ class RunEnd(_Model):
 
 
 Event = Annotated[
-    Union[RunStart, Scalars, TensorStats, FixAck, ProbeMessage, RunEnd, LayerProfiles, TensorSnapshot],
+    Union[RunStart, Scalars, TensorStats, FixAck, ProbeMessage, RunEnd, LayerProfiles, TensorSnapshot, Spans,
+          CaptureResult],
     Field(discriminator="kind"),
 ]
 
@@ -242,6 +310,7 @@ class IngestBatch(_Model):
     batch_id: str = Field(pattern=r"^[A-Za-z0-9_\-]{8,64}$")
     run: RunId
     seq: int = Field(ge=0, description="Order of this batch within the probe's stream.")
+    rank: int = Field(0, ge=0, description="The sending process's rank (RANK under torchrun); 0 for one process.")
     events: list[Event] = Field(max_length=MAX_EVENTS_PER_BATCH)
 
 
@@ -255,7 +324,16 @@ class Command(_Model):
     params: Params = Field(default_factory=dict)
 
 
+class CaptureCommand(_Model):
+    """Record everything for the next ``steps`` steps (and run torch.profiler), then sample as before."""
+
+    capture_id: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    steps: int = Field(ge=1, le=100)
+    profile: bool = True
+
+
 class IngestReply(_Model):
     accepted: int = Field(ge=0, description="Events stored from this batch (0 for a duplicate).")
     duplicate: bool = False
     commands: list[Command] = Field(default_factory=list)
+    captures: list[CaptureCommand] = Field(default_factory=list)

@@ -174,3 +174,84 @@ class Error(_Record):
     error: str = Field(description="A short machine-readable code, e.g. 'invalid_batch', 'unknown_run'.")
     message: str = Field(description="What is wrong, in a sentence a person can act on.")
     detail: list[str] = Field(default_factory=list, description="Each problem found, with where it is.")
+
+
+class RankInfo(_Record):
+    """One process of a (possibly distributed) run, with its median phase times over recent samples."""
+
+    rank: int = Field(ge=0)
+    local_rank: int = Field(0, ge=0)
+    host: str = ""
+    world_size: int = Field(1, ge=1)
+    last_step: int = 0
+    ended: bool = False
+    phases: dict[str, Number] = Field(default_factory=dict, description="Median seconds per phase, recent samples.")
+
+
+class TimelineSpan(_Record):
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0)
+    mode: str = "train"
+    name: str
+    category: Literal["step", "phase", "comm", "user"]
+    start: Time
+    duration: Finite = Field(ge=0)
+    gpu_duration: Number = None
+
+
+class Timeline(_Record):
+    """The run's execution context across ranks: what each rank did, when, on sampled steps."""
+
+    run: RunId
+    ranks: list[RankInfo]
+    spans: list[TimelineSpan]
+    truncated: bool = Field(False, description="More spans were stored than returned; ask with a step range.")
+
+
+class OpSummary(_Record):
+    name: str
+    calls: int
+    cpu_time_ms: Finite
+    self_cpu_time_ms: Finite
+    device_time_ms: Finite = 0.0
+    self_device_time_ms: Finite = 0.0
+    cpu_memory_mb: Finite = 0.0
+    device_memory_mb: Finite = 0.0
+
+
+class ShapeInfo(_Record):
+    module: str
+    type: str
+    inputs: list[list[int]] = Field(default_factory=list)
+    outputs: list[list[int]] = Field(default_factory=list)
+
+
+class CaptureRank(_Record):
+    rank: int = Field(ge=0)
+    status: Literal["done", "failed"]
+    reason: str | None = None
+    first_step: int
+    last_step: int
+    profiled: bool = False
+    ops: list[OpSummary] = Field(default_factory=list, description="Operators by total CPU (or device) time.")
+    shapes: list[ShapeInfo] = Field(default_factory=list)
+    trace_available: bool = Field(False, description="GET .../captures/{id}/trace?rank=N returns the Chrome trace.")
+    trace_dropped: str | None = None
+
+
+class Capture(_Record):
+    id: str = Field(description="Stable id, e.g. 'c-2'.")
+    run: RunId
+    status: Literal["pending", "partial", "done", "expired"] = Field(
+        description="pending: sent, no rank has finished; partial: some ranks have; done: every rank has.")
+    steps: int
+    profile: bool
+    requested_by: str | None = None
+    created_at: Time
+    updated_at: Time
+    ranks: list[CaptureRank] = Field(default_factory=list)
+
+
+class CaptureList(_Record):
+    run: RunId
+    captures: list[Capture]

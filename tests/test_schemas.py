@@ -23,6 +23,10 @@ from schemas import (
     ProbeMessage, Run, RunEnd, RunList, RunStart, RunSummary, Scalars, Series, SeriesPoint, Severity, StatRow,
     TensorSlice, TensorSnapshot, TensorStats,
 )
+from schemas import (
+    Capture, CaptureCommand, CaptureList, CaptureRank, CaptureResult, ModuleShape, OpStat, OpSummary, RankInfo,
+    ShapeInfo, Span, Spans, Timeline, TimelineSpan,
+)
 
 NAN = float("nan")
 PARAMS = {"lr": 0.001, "betas": [0.9, 0.999], "amsgrad": False, "foreach": None, "name": "adamw", "groups": ["a", "b"], "step": 3}
@@ -71,12 +75,31 @@ EMB_ROW = EmbeddingRow(row=17, touches=40, velocity=0.01, consistency=-0.8, snr=
 EMB_SUMMARY = EmbeddingSummary(rows=1682, dim=32, tracked_steps=300, touched_rows=1600, never_updated=50,
                                median_touches=12.0, effective_rank=None, mean_cosine=0.1, zombies=[EMB_ROW],
                                rarest=[EMB_ROW], dead_ids=[3, 9], nonfinite_ids=[])
+SPAN = Span(name="allreduce", category="comm", start=1700000001.25, duration=0.012, gpu_duration=0.011)
+SPANS = Spans(step=10, time=1700000001.5, mode="eval", capture="c-1", spans=[SPAN, Span(name="preprocess", category="user",
+                                                                          start=1700000001.0, duration=0.2)])
+OP = OpStat(name="aten::addmm", calls=20, cpu_time_ms=3.5, self_cpu_time_ms=2.0, cpu_memory_mb=0.5)
+SHAPE = ModuleShape(module="fc1", type="Linear", inputs=[[32, 128]], outputs=[[32, 512]])
+CAPTURE_RESULT = CaptureResult(step=20, time=1700000002.5, capture_id="c-1", last_step=24, profiled=True, ops=[OP],
+                               shapes=[SHAPE], trace='{"traceEvents": []}')
+CAPTURE_COMMAND = CaptureCommand(capture_id="c-1", steps=5)
+RANK_INFO = RankInfo(rank=1, local_rank=1, host="node-2", world_size=4, last_step=52,
+                     phases={"forward": 0.01, "allreduce": None})
+TIMELINE_SPAN = TimelineSpan(rank=1, step=50, name="forward", category="phase", start=1700000001.0, duration=0.01)
+OP_SUMMARY = OpSummary(name="aten::addmm", calls=20, cpu_time_ms=3.5, self_cpu_time_ms=2.0)
+SHAPE_INFO = ShapeInfo(module="fc1", type="Linear", inputs=[[32, 128]], outputs=[[32, 512]])
+CAPTURE_RANK = CaptureRank(rank=0, status="done", first_step=20, last_step=24, profiled=True, ops=[OP_SUMMARY],
+                           shapes=[SHAPE_INFO], trace_available=True)
+CAPTURE = Capture(id="c-1", run="ddp-1", status="partial", steps=5, profile=True, requested_by="mcp:claude",
+                  created_at=1.0, updated_at=2.0, ranks=[CAPTURE_RANK])
 
 SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
-    IngestBatch(batch_id="b-0001-abcd", run="mnist-1", seq=0,
-                events=[RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, SNAPSHOT, RUN_END, LAYER_PROFILES]),
+    IngestBatch(batch_id="b-0001-abcd", run="mnist-1", seq=0, rank=3,
+                events=[RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, SNAPSHOT, RUN_END, LAYER_PROFILES, SPANS,
+                        CAPTURE_RESULT]),
     IngestReply(accepted=6, commands=[COMMAND, Command(fix_id="f-2", op="revert", action=FixAction.lr_scale),
-                                      Command(fix_id="s-1", op="snapshot", params={"tensors": ["fc1"]})]),
+                                      Command(fix_id="s-1", op="snapshot", params={"tensors": ["fc1"]})],
+                captures=[CAPTURE_COMMAND]),
     SLICE, SNAPSHOT,
     RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END, LAYER_PROFILE, LAYER_PROFILES, COMMAND, MODULE, PARAM,
     OPTIMIZER, ROW,
@@ -100,6 +123,9 @@ SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
     Diagnosis(run="mnist-1", summary="One root cause.", causes=[CAUSE], report="Exploding gradients from step 40."),
     Health(version="0.1.0", schema_version=schemas.SCHEMA_VERSION, data_dir=".traindx"),
     Error(error="invalid_batch", message="events[3].rows[0].name is empty.", detail=["events[3].rows[0].name: too short"]),
+    SPAN, SPANS, OP, SHAPE, CAPTURE_RESULT, CAPTURE_COMMAND, RANK_INFO, TIMELINE_SPAN, OP_SUMMARY, SHAPE_INFO,
+    CAPTURE_RANK, CAPTURE, CaptureList(run="ddp-1", captures=[CAPTURE]),
+    Timeline(run="ddp-1", ranks=[RANK_INFO], spans=[TIMELINE_SPAN], truncated=True),
 ]}
 
 XML_PARSER = etree.XMLParser(resolve_entities=False, no_network=True)

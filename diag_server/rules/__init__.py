@@ -10,6 +10,7 @@ import importlib
 
 from .activations import DeadRelu, InputNotNormalized, OutputRangeMismatch, SaturatedActivation
 from .base import Finding, Observations, Param, Rule
+from .distributed import RULES as DISTRIBUTED
 from .embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
 from .gradients import ExplodingGradient, VanishingGradient
 from .loss import LossDivergence, LossNotDecreasing, OscillatingLoss, Overfitting
@@ -21,7 +22,7 @@ BUILTIN: list[type[Rule]] = [
     NonFinite, ExplodingGradient, VanishingGradient, DeadRelu, SaturatedActivation, PoorWeightInit,
     AbnormalUpdateRatio, UnchangedTensor, LossNotDecreasing, LossDivergence, OscillatingLoss, Overfitting,
     InputNotNormalized, OutputRangeMismatch, DataloaderBottleneck, StepTimeOutlier, MemoryGrowth,
-    GpuMemoryFragmentation, ZombieEmbedding, DeadEmbedding, EmbeddingCollapse,
+    GpuMemoryFragmentation, ZombieEmbedding, DeadEmbedding, EmbeddingCollapse, *DISTRIBUTED,
 ]
 
 

@@ -42,6 +42,10 @@ class Observations:
     stats: dict[str, dict[int, list[dict]]] = field(default_factory=dict)  # collection -> step -> rows
     start: dict | None = None  # the run_start event, if the run sent one
     interval: int = 50
+    rank: int = 0  # the process that sent this batch; 0 for a one-process run
+    world_size: int = 1
+    # Spans of sampled steps: dicts with step, mode, name, category, start, duration (seconds).
+    spans: list[dict] = field(default_factory=list)
 
     def series(self, name: str) -> list[tuple[int, float | None]]:
         return self.scalars.get(name, [])
@@ -73,6 +77,10 @@ class Rule:
     description: ClassVar[str] = ""
     kinds: ClassVar[tuple[AnomalyKind, ...]] = ()
     params: ClassVar[dict[str, Param]] = {}
+    # A rule that is not rank-aware sees rank 0's data only: in data-parallel training rank 0's loss,
+    # weights and gradients stand for the run, and two ranks' series interleaved would read as noise.
+    # Rank-aware rules (the cross-rank ones) set this and get every rank's batches.
+    all_ranks: ClassVar[bool] = False
 
     def __init__(self, **overrides: float) -> None:
         unknown = set(overrides) - set(self.params)

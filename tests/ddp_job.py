@@ -1,0 +1,114 @@
+"""Small DistributedDataParallel jobs on the CPU (gloo), launched with torch.multiprocessing by the tests.
+
+``python tests/ddp_job.py '[{"rdzv_id": "a", "nproc": 2, "server": URL, ...}, ...]'`` runs each job in
+turn. Faults are injected on one rank: ``"slow_forward": "R:S"`` sleeps S seconds in rank R's forward (a
+straggler), ``"slow_data": "R:S"`` sleeps S seconds in rank R's data loader for every batch. ``"pace": S``
+sleeps S seconds in every rank's forward, the same everywhere, so a job lasts long enough to be
+watched. Each rank gets the environment torchrun would give it. Not a test module (no test_ prefix).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import default_collate
+
+import probes
+
+
+class Sleep(torch.nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seconds:
+            time.sleep(self.seconds)
+        return x
+
+
+def _fault(spec: str | None, rank: int) -> float:
+    if not spec:
+        return 0.0
+    who, _, seconds = spec.partition(":")
+    return float(seconds) if int(who) == rank else 0.0
+
+
+def train(rank: int, job: dict) -> None:
+    """One rank of one job. Runs in a forked child: the launcher imported torch once for all of them."""
+    import os
+
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(job["nproc"]),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job["port"]),
+                       "TORCHELASTIC_RUN_ID": job["rdzv_id"]})  # what torchrun sets: all ranks agree on the run
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    data_sleep = _fault(job.get("slow_data"), rank)
+    model = torch.nn.Sequential(Sleep(job.get("pace", 0.0) + _fault(job.get("slow_forward"), rank)),
+                                torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    data = TensorDataset(torch.randn(4096, 32, generator=g), torch.randn(4096, 1, generator=g))
+
+    def collate(batch: list) -> list:
+        if data_sleep:
+            time.sleep(data_sleep)
+        return default_collate(batch)
+
+    loader = iter(DataLoader(data, batch_size=16, collate_fn=collate))
+    probe = probes.attach(ddp, opt, server=job["server"], interval=job.get("interval", 2), flush_interval=0.1,
+                          time_allreduce=job.get("time_allreduce", False),
+                          **({"run": job["run"]} if job.get("run") else {}))
+    eval_every = job.get("eval_every", 0)
+    until_capture = job.get("until_capture", False)
+    for step in range(job.get("steps", 24) if not until_capture else 5000):
+        if until_capture and step >= job.get("steps", 24):
+            # Train on until every rank has finished a capture. The ranks agree through a collective,
+            # so none stops while another still waits for it at an all-reduce.
+            done = torch.tensor([float(probe.captures_done > 0)])
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            if done.item():
+                break
+        x, y = next(loader)
+        with probe.span("preprocess"):
+            x = (x - x.mean(0)) / (x.std(0) + 1e-6)
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+        if eval_every and (step + 1) % eval_every == 0:
+            with probe.mode("eval"), torch.no_grad():
+                for _ in range(3):
+                    probe.step(loss=torch.nn.functional.mse_loss(model(x), y))
+    probe.close()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    """Run each job of the JSON list in argv[1], one after the other, each on its own forked ranks."""
+    import json
+    import socket
+    import sys
+
+    import torch._dynamo  # noqa: F401 - DDP imports it when built: seconds, paid once here and not per rank
+    import torch.multiprocessing as mp
+
+    for job in json.loads(sys.argv[1]):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            job["port"] = sock.getsockname()[1]
+        # fork: the children share the launcher's imported torch (no import per rank), and the launcher
+        # has run no torch op, so there is no OpenMP state to inherit.
+        mp.start_processes(train, args=(job,), nprocs=job["nproc"], start_method="fork", join=True)
+        print(f"done {job['rdzv_id']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
