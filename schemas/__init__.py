@@ -32,12 +32,16 @@ from .records import (
     Fix,
     FixList,
     Health,
+    Heatmap,
+    HistoryEntry,
     LayerRecipe,
     Run,
+    RunHistory,
     RunList,
     RunSummary,
     Series,
     SeriesPoint,
+    SeriesSet,
 )
 
 __all__ = [
@@ -45,5 +49,6 @@ __all__ = [
     "MAX_EVENTS_PER_BATCH", "Command", "Event", "FixAck", "IngestBatch", "IngestReply", "ModuleInfo",
     "OptimizerInfo", "ParamInfo", "ProbeMessage", "RunEnd", "RunStart", "Scalars", "StatRow", "TensorStats",
     "Anomaly", "AnomalyPage", "AuditEntry", "AuditTrail", "Cause", "CompressionRecipe", "Diagnosis", "Error",
-    "Fix", "FixList", "Health", "LayerRecipe", "Run", "RunList", "RunSummary", "Series", "SeriesPoint",
+    "Fix", "FixList", "Health", "Heatmap", "HistoryEntry", "LayerRecipe", "Run", "RunHistory", "RunList",
+    "RunSummary", "Series", "SeriesPoint", "SeriesSet",
 ]

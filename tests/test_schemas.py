@@ -82,6 +82,15 @@ SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
     Diagnosis(run="mnist-1", summary="One root cause.", causes=[CAUSE], report="Exploding gradients from step 40."),
     Health(version="0.1.0", schema_version=schemas.SCHEMA_VERSION, data_dir=".traindx"),
     Error(error="invalid_batch", message="events[3].rows[0].name is empty.", detail=["events[3].rows[0].name: too short"]),
+    records.SeriesSet(run="mnist-1", series=[Series(run="mnist-1", name="sys/forward",
+                                                    points=[SeriesPoint(step=0, value=0.01)])]),
+    records.Heatmap(run="mnist-1", collection="gradients", field="norm", tensors=["fc1.weight", "fc2.weight"],
+                    steps=[0, 50], values=[[0.5, None], [0.1, 0.2]], downsampled=True),
+    records.HistoryEntry(step=40, time=1.7e9, type="anomaly", ref="a-1", label="exploding_gradient", status="critical"),
+    records.RunHistory(run="mnist-1", total=2, next_offset=None, entries=[
+        records.HistoryEntry(step=40, time=1.7e9, type="anomaly", ref="a-1", label="exploding_gradient"),
+        records.HistoryEntry(step=52, time=1.7e9, type="fix", ref="f-1", label="grad_clip applied", status="applied",
+                             actor="person:ana")]),
 ]}
 
 XML_PARSER = etree.XMLParser(resolve_entities=False, no_network=True)
