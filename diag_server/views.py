@@ -1,0 +1,153 @@
+"""Read queries for charts and the timeline: several series at once, per-layer heat maps, the run's history.
+
+They sit beside ``queries`` (one function per question, shared by the HTTP routes, the dashboard and the
+client) and downsample on the server, so a long run costs the browser the same as a short one.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Literal
+
+import orjson
+
+from schemas.records import Heatmap, HistoryEntry, RunHistory, Series, SeriesPoint, SeriesSet
+
+from .downsample import bucket_bounds, bucket_max, min_max
+from .errors import ApiError
+from .queries import check_page, next_offset, require_run
+from .store import Store
+
+MAX_SERIES = 64  # series in one SeriesSet: a chart with more lines than this is unreadable anyway
+HistoryType = Literal["anomaly", "resolved", "fix", "verdict"]
+_STEP_MAX = 2**63 - 1
+
+
+def _stat_field(field: str) -> str:
+    from .ingest import _STAT_COLUMNS
+
+    if field not in _STAT_COLUMNS:
+        raise ApiError(422, "invalid_parameter", f"field must be one of {', '.join(_STAT_COLUMNS)}, got {field!r}")
+    return field
+
+
+def _range(min_step: int | None, max_step: int | None) -> tuple[int, int]:
+    return (0 if min_step is None else min_step), (_STEP_MAX if max_step is None else max_step)
+
+
+def _series(run: str, name: str, rows: list[tuple[int, float | None]], max_points: int) -> Series:
+    kept = min_max(rows, max_points)
+    return Series(run=run, name=name, points=[SeriesPoint(step=s, value=v) for s, v in kept],
+                  downsampled=len(kept) < len(rows))
+
+
+def _group(rows: list[sqlite3.Row]) -> dict[str, list[tuple[int, float | None]]]:
+    out: dict[str, list[tuple[int, float | None]]] = {}
+    for name, step, value in rows:
+        out.setdefault(name, []).append((step, value))
+    return out
+
+
+def scalar_set(store: Store, run: str, *, names: list[str] | None = None, prefix: str | None = None,
+               min_step: int | None = None, max_step: int | None = None, max_points: int = 500) -> SeriesSet:
+    """Scalar series by name and/or name prefix (``sys/`` for the system series); all of them when neither
+    is given. Each is downsampled on its own, keeping spikes."""
+    conn = store.read()
+    require_run(conn, run)
+    lo, hi = _range(min_step, max_step)
+    where, args = ["run=?", "step BETWEEN ? AND ?"], [run, lo, hi]
+    picks = []
+    if names:
+        picks.append(f"name IN ({','.join('?' * len(names))})")
+        args.extend(names)
+    if prefix:
+        picks.append("substr(name, 1, ?)=?")
+        args.extend([len(prefix), prefix])
+    if picks:
+        where.append("(" + " OR ".join(picks) + ")")
+    rows = conn.execute(f"SELECT name, step, value FROM scalars WHERE {' AND '.join(where)} ORDER BY name, step",
+                        args).fetchall()
+    grouped = _group(rows)
+    order = sorted(grouped, key=lambda n: (names.index(n) if names and n in names else len(names or ()), n))
+    return SeriesSet(run=run, series=[_series(run, n, grouped[n], max_points) for n in order[:MAX_SERIES]])
+
+
+def stat_set(store: Store, run: str, *, collection: str, field: str = "norm", tensors: list[str] | None = None,
+             min_step: int | None = None, max_step: int | None = None, max_points: int = 500) -> SeriesSet:
+    """One statistic (``update_ratio`` of ``updates``, ``norm`` of ``gradients``, ...) of each tensor of a
+    collection, one series per tensor, in the order the probe reported them (forward order)."""
+    conn = store.read()
+    require_run(conn, run)
+    col = _stat_field(field)
+    lo, hi = _range(min_step, max_step)
+    where, args = ["run=?", "collection=?", "step BETWEEN ? AND ?"], [run, collection, lo, hi]
+    if tensors:
+        where.append(f"tensor IN ({','.join('?' * len(tensors))})")
+        args.extend(tensors)
+    rows = conn.execute(f"SELECT tensor, step, {col} FROM stats WHERE {' AND '.join(where)} ORDER BY step, rowid",
+                        args).fetchall()
+    grouped = _group(rows)  # dicts keep insertion order: the first step's row order is forward order
+    return SeriesSet(run=run, series=[_series(run, n, pts, max_points) for n, pts in list(grouped.items())[:MAX_SERIES]])
+
+
+def heatmap(store: Store, run: str, *, collection: str = "gradients", field: str = "norm",
+            min_step: int | None = None, max_step: int | None = None, max_steps: int = 200) -> Heatmap:
+    """A tensors x steps matrix of one statistic; past ``max_steps`` sampled steps, neighbouring steps share
+    a column holding their largest value, so a one-step spike in one layer still shows."""
+    conn = store.read()
+    require_run(conn, run)
+    if max_steps < 1:
+        raise ApiError(422, "invalid_parameter", f"max_steps must be >= 1, got {max_steps}")
+    col = _stat_field(field)
+    lo, hi = _range(min_step, max_step)
+    rows = conn.execute(f"SELECT tensor, step, {col} FROM stats WHERE run=? AND collection=? AND step BETWEEN ? AND ? "
+                        "ORDER BY step, rowid", (run, collection, lo, hi)).fetchall()
+    tensors: dict[str, int] = {}
+    cells: dict[tuple[str, int], float | None] = {}
+    for tensor, step, value in rows:
+        tensors.setdefault(tensor, len(tensors))
+        cells[(tensor, step)] = value
+    steps = sorted({step for _, step, _ in rows})
+    buckets = bucket_bounds(len(steps), max_steps) if steps else []
+    values = [[bucket_max([cells.get((t, s)) for s in steps[a:b]]) for a, b in buckets] for t in tensors]
+    return Heatmap(run=run, collection=collection, field=field, tensors=list(tensors),
+                   steps=[steps[a] for a, _ in buckets], values=values, downsampled=len(buckets) < len(steps))
+
+
+def _step_at(conn: sqlite3.Connection, run: str, when: float) -> int:
+    """The last step the job had reported by ``when``: audit entries carry a time, the chart a step."""
+    row = conn.execute("SELECT max(step) FROM scalars WHERE run=? AND time<=?", (run, when)).fetchone()
+    return row[0] or 0
+
+
+def history(store: Store, run: str, *, type: HistoryType | None = None, min_step: int | None = None,
+            max_step: int | None = None, offset: int = 0, limit: int | None = None) -> RunHistory:
+    """Anomalies (when each began and cleared), fixes (apply and revert requests, the job's answers) and
+    the server's verdicts, on the step axis, oldest first. Proposals are left out: they change nothing."""
+    conn = store.read()
+    require_run(conn, run)
+    check_page(offset, limit)
+    entries: list[HistoryEntry] = []
+    for a in conn.execute("SELECT * FROM anomalies WHERE run=? ORDER BY seq", (run,)):
+        entries.append(HistoryEntry(step=a["first_step"], time=a["created_at"], type="anomaly", ref=a["id"],
+                                    label=f"{a['kind']} ({a['severity']})", status=a["severity"]))
+        if a["resolved_step"] is not None:
+            entries.append(HistoryEntry(step=a["resolved_step"], time=a["updated_at"], type="resolved", ref=a["id"],
+                                        label=f"{a['kind']} cleared", status="resolved"))
+    actions = dict(conn.execute("SELECT id, action FROM fixes WHERE run=?", (run,)).fetchall())
+    for r in conn.execute("SELECT * FROM audit WHERE run=? AND fix_id IS NOT NULL AND action!='proposed' "
+                          "ORDER BY time, rowid", (run,)):
+        detail = orjson.loads(r["detail"]) if r["detail"] else {}
+        verdict = r["action"] == "verdict"
+        status = detail.get("status") if verdict else r["action"]
+        step = detail.get("step")
+        entries.append(HistoryEntry(
+            step=step if isinstance(step, int) and step >= 0 else _step_at(conn, run, r["time"]), time=r["time"],
+            type="verdict" if verdict else "fix", ref=r["fix_id"], status=status, actor=r["actor"],
+            label=f"{r['fix_id']} {actions.get(r['fix_id'], '')}: {status}"))
+    lo, hi = _range(min_step, max_step)
+    entries = [e for e in entries if lo <= e.step <= hi and (type is None or e.type == type)]
+    entries.sort(key=lambda e: (e.step, e.time))
+    page = entries[offset:None if limit is None else offset + limit]
+    return RunHistory(run=run, entries=page, total=len(entries), offset=offset,
+                      next_offset=next_offset(offset, len(page), len(entries)))
