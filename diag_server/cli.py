@@ -93,5 +93,9 @@ def schemas(check: bool) -> None:
     sys.exit(export.main(["--check"] if check else []))
 
 
+from .cli_people import register as _register_people  # noqa: E402 - runs, anomalies, diagnose, fixes, ...
+
+_register_people(main)
+
 if __name__ == "__main__":
     main()

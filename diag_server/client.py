@@ -99,6 +99,19 @@ class Client:
                 return
             offset = page.next_offset  # type: ignore[attr-defined]
 
+    def raw(self, method: str, path: str, *, format: str = "json", **params: Any) -> bytes:
+        """The server's answer as it sent it, in ``format`` (json or xml): for scripts that pipe it on."""
+        res = self._http.request(method, path, params=_clean(params),
+                                 headers={"accept": "application/xml" if format == "xml" else "application/json"})
+        if res.status_code >= 400:
+            try:
+                err = Error.model_validate_json(res.content) if format == "json" else Error(
+                    error="http_error", message=res.text[:2000])
+            except ValueError:
+                err = Error(error="http_error", message=res.text[:500] or res.reason_phrase)
+            raise TraindxError(res.status_code, err)
+        return res.content
+
     @staticmethod
     def _frame(rows: list[dict[str, Any]], index: str | None = None) -> Any:
         try:

@@ -36,8 +36,9 @@ MinStep = Annotated[int | None, Query(ge=0, le=2**53, description="Only items st
 MaxStep = Annotated[int | None, Query(ge=0, le=2**53, description="Only items that began at or before this step.")]
 MaxPoints = Annotated[int, Query(ge=2, le=10000, description="Downsample each series to at most this many points, "
                                                              "keeping each bucket's min and max (spikes survive).")]
-StatField = Annotated[str, Query(description="Statistic: numel, norm, mean, std, min, max, nan_count, inf_count, "
-                                             "zero_frac, dead_frac, saturated_frac or update_ratio.")]
+StatName = Literal["numel", "norm", "mean", "std", "min", "max", "nan_count", "inf_count", "zero_frac", "dead_frac",
+                   "saturated_frac", "update_ratio"]  # the stored columns (ingest._STAT_COLUMNS); a test keeps them equal
+StatField = Annotated[StatName, Query(description="Statistic of each tensor.")]
 
 
 def _json(model: BaseModel) -> bytes:
@@ -221,10 +222,14 @@ def build_router(services: Services) -> APIRouter:
 
     @r.get("/v1/runs/{run}/series/{name:path}", response_model=Series, tags=["series"],
            summary="One metric over steps (a scalar, or a tensor's statistic with collection=)")
-    def series(request: Request, run: str, name: str, collection: str | None = None, field: StatField = "norm",
+    def series(request: Request, run: str, name: str,
+               collection: Annotated[Collection | None, Query(description="Read a tensor's statistic from this "
+                                                                          "collection; omit for a scalar.")] = None,
+               field: StatField = "norm",
                min_step: MinStep = None, max_step: MaxStep = None, max_points: MaxPoints = 500) -> Response:
-        return respond(request, queries.series(store, run, name, collection=collection, field=field,
-                                               max_points=max_points, min_step=min_step, max_step=max_step))
+        return respond(request, queries.series(store, run, name, collection=collection.value if collection else None,
+                                               field=field, max_points=max_points, min_step=min_step,
+                                               max_step=max_step))
 
     @r.get("/v1/runs/{run}/scalars", response_model=SeriesSet, tags=["series"],
            summary="Several scalar series for one chart: loss and user scalars, sys/ step times, memory")

@@ -38,6 +38,8 @@ def _patch(doc: dict[str, Any]) -> None:
     for name, sub in ingest_schema.pop("$defs", {}).items():
         comps.setdefault(name, sub)
     comps["IngestBatch"] = ingest_schema
+    _require_discriminators(doc, comps)
+    _bound_integers(doc)
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)
     for path, item in doc["paths"].items():
@@ -64,6 +66,39 @@ def _patch(doc: dict[str, Any]) -> None:
                 op.setdefault("responses", {}).setdefault("403", {
                     "description": ERROR_TEXT[403],
                     "content": {"application/json": {"schema": ERROR_REF}, XML: {"schema": ERROR_REF}}})
+
+
+def _require_discriminators(node: Any, comps: dict[str, Any]) -> None:
+    """An event's ``kind`` has a default in the models (a probe need not repeat it in Python), but the
+    union is told apart by it, so on the wire it is required: say so, or clients build events without it."""
+    if isinstance(node, dict):
+        disc = node.get("discriminator")
+        if isinstance(disc, dict):
+            for ref in disc.get("mapping", {}).values():
+                target = comps.get(ref.rsplit("/", 1)[-1], {})
+                required = target.setdefault("required", [])
+                if disc["propertyName"] not in required:
+                    required.append(disc["propertyName"])
+        for value in node.values():
+            _require_discriminators(value, comps)
+    elif isinstance(node, list):
+        for value in node:
+            _require_discriminators(value, comps)
+
+
+def _bound_integers(node: Any) -> None:
+    """Integers are stored as SQLite INTEGERs and read by orjson: 64-bit signed. Say so."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node.setdefault("format", "int64")
+            node.setdefault("maximum", 2**63 - 1)
+            if "minimum" not in node and "exclusiveMinimum" not in node:
+                node["minimum"] = -(2**63)
+        for value in node.values():
+            _bound_integers(value)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_integers(value)
 
 
 def install(app: FastAPI) -> None:

@@ -181,7 +181,7 @@ def audit(store: Store, run: str, *, fix_id: str | None = None, offset: int = 0,
     conn = store.read()
     require_run(conn, run)
     check_page(offset, limit)
-    where, args = "run=?" + (" AND fix_id=?" if fix_id is not None else ""), [run] + ([fix_id] if fix_id else [])
+    where, args = "run=?" + (" AND fix_id=?" if fix_id is not None else ""), [run] + ([fix_id] if fix_id is not None else [])
     total = conn.execute(f"SELECT count(*) FROM audit WHERE {where}", args).fetchone()[0]
     rows = conn.execute(f"SELECT * FROM audit WHERE {where} ORDER BY time, rowid LIMIT ? OFFSET ?",
                         [*args, -1 if limit is None else limit, offset]).fetchall()
