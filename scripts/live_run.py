@@ -20,7 +20,7 @@ ALLOW = ["lr_scale", "set_lr", "grad_clip", "skip_nonfinite"]
 
 class LiveRun:
     def __init__(self, server: str, run: str, *, interval: int = 5, step_sleep: float = 0.004, seed: int = 0,
-                 max_steps: int = 100_000) -> None:
+                 max_steps: int = 100_000, token: str | None = None) -> None:
         torch.manual_seed(seed)
         self.model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
                                          torch.nn.ReLU(), torch.nn.Linear(32, 1))
@@ -28,7 +28,7 @@ class LiveRun:
         self.x = torch.randn(512, 16)
         self.y = self.x @ torch.randn(16, 1) + 0.1 * torch.randn(512, 1)
         self.probe = probes.attach(self.model, self.opt, run=run, server=server, interval=interval, allow=ALLOW,
-                                   flush_interval=0.1)
+                                   flush_interval=0.1, token=token)
         self.step_sleep, self.max_steps = step_sleep, max_steps
         self._nan_steps = 0
         self._stop = threading.Event()

@@ -44,8 +44,10 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     # Sampling every step makes what the rules see deterministic: the explosion is sampled before the NaN.
     job = LiveRun(server.url, RUN, interval=1, step_sleep=0.001).start()
     job.wait_steps(120)
-    job.inject("lr_spike", factor=25.0)  # gradients explode, then turn NaN
-    job.wait_steps(40)
+    job.inject("lr_spike", factor=25.0)  # gradients explode
+    job.wait_steps(20)
+    job.inject("nan", steps=5)  # and the reported loss goes NaN, whatever the spike did by then
+    job.wait_steps(20)
     job.stop()
     # One fix proposed, so the fix lists and the audit trail have something in them.
     first = httpx.get(f"{server.url}/v1/runs/{RUN}/anomalies").json()["anomalies"][0]["id"]
