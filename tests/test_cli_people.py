@@ -3,37 +3,24 @@ readable tables by default, the server's JSON and XML with --json / --xml, the t
 
 from __future__ import annotations
 
-from typing import Iterator
 
 import orjson
 import pytest
 from click.testing import CliRunner
 from lxml import etree
 
-from conftest import ServerProcess, make_server
+from conftest import PEOPLE_RUN, PEOPLE_TOKEN, ServerProcess
 from diag_server.cli import main
 from diag_server.cli_people import table
 from diag_server.xml import xsd_schema
 
-RUN = "cli-run"
-TOKEN = "s3cret-token-for-tests"
+RUN = PEOPLE_RUN
+TOKEN = PEOPLE_TOKEN
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    from scripts.live_run import LiveRun
-
-    server = make_server(tmp_path_factory.mktemp("cli"), "--token", TOKEN)
-    server.start()
-    job = LiveRun(server.url, RUN, interval=1, step_sleep=0.001, token=TOKEN).start()
-    job.wait_steps(100)
-    job.inject("lr_spike", factor=25.0)
-    job.wait_steps(20)
-    job.inject("nan", steps=5)  # whatever the spike did by now, the reported loss goes NaN too
-    job.wait_steps(20)
-    job.stop()
-    yield server
-    server.stop()
+@pytest.fixture
+def srv(people_server: ServerProcess) -> ServerProcess:
+    return people_server
 
 
 def cli(srv: ServerProcess, *args: str, token: str | None = TOKEN) -> tuple[int, str]:
@@ -51,11 +38,13 @@ def test_tables_for_people(srv: ServerProcess) -> None:
     code, out = cli(srv, "anomalies", RUN, "--kind", "nonfinite")
     assert code == 0 and "exploding_gradient" not in out
     code, out = cli(srv, "anomalies", RUN, "--severity", "info")
-    assert code == 0 and "no anomalies in cli-run matching the filters" in out
+    assert code == 0 and f"no anomalies in {RUN} matching the filters" in out
     code, out = cli(srv, "diagnose", RUN)
     assert code == 0 and "Diagnosis of run" in out and "exploding_gradient" in out
-    code, out = cli(srv, "fixes", RUN)
+    code, out = cli(srv, "fixes", RUN, "--status", "pending")
     assert code == 0 and "no fixes" in out
+    code, out = cli(srv, "fixes", RUN)
+    assert code == 0 and "person:ana" in out
 
 
 def test_json_and_xml_for_scripts(srv: ServerProcess) -> None:
@@ -70,13 +59,13 @@ def test_json_and_xml_for_scripts(srv: ServerProcess) -> None:
 
 
 def test_writes_send_the_token_and_name_the_person(srv: ServerProcess) -> None:
-    code, out = cli(srv, "anomalies", RUN, "--kind", "exploding_gradient", "--json")
+    code, out = cli(srv, "anomalies", RUN, "--kind", "nonfinite", "--json")
     anomaly = orjson.loads(out)["anomalies"][0]["id"]
     code, out = cli(srv, "propose", RUN, anomaly, token=None)
     assert code == 1 and "unauthorized" in out
     code, out = cli(srv, "propose", RUN, anomaly)
     assert code == 0 and "proposed" in out
-    code, out = cli(srv, "fixes", RUN, "--json")
+    code, out = cli(srv, "fixes", RUN, "--anomaly", anomaly, "--json")
     fixes = orjson.loads(out)["fixes"]
     assert fixes and {f["requested_by"] for f in fixes} == {"person:cli-user"}
     code, out = cli(srv, "apply", RUN, fixes[0]["id"])  # the job has ended: refused, and it says why

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import pytest
 
-from conftest import ServerProcess, make_server
+from conftest import PEOPLE_TOKEN, ServerProcess
 from diag_server import client as client_module
 from diag_server.client import Client, TraindxError
 from schemas.records import Anomaly, Diagnosis
@@ -16,18 +16,16 @@ RUN = "client-run"
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, object]]:
+def live(people_server: ServerProcess) -> Iterator[tuple[ServerProcess, object]]:
     from scripts.live_run import LiveRun
 
-    srv = make_server(tmp_path_factory.mktemp("client"))
-    srv.start()
-    job = LiveRun(srv.url, RUN, interval=5, step_sleep=0.003).start()
+    srv = people_server
+    job = LiveRun(srv.url, RUN, interval=5, step_sleep=0.003, token=PEOPLE_TOKEN).start()
     job.wait_steps(60)
     job.inject("nan", steps=8)
     job.wait_steps(40)
     yield srv, job
     job.stop()
-    srv.stop()
 
 
 def test_public_names() -> None:
@@ -37,8 +35,9 @@ def test_public_names() -> None:
 def test_reads_runs_anomalies_diagnosis_and_series(live) -> None:
     srv, job = live
     with Client(srv.url) as dx:
-        runs = dx.runs()
-        assert [r.run for r in runs] == [RUN] and runs[0].status == "active"
+        runs = {r.run: r for r in dx.runs()}
+        assert runs[RUN].status == "active"
+        assert RUN in {r.run for r in dx.runs(status="active")}
         anomalies = dx.anomalies(RUN)
         assert anomalies and all(isinstance(a, Anomaly) for a in anomalies)
         assert [a.kind.value for a in dx.anomalies(RUN, kind="nonfinite")] == ["nonfinite"]
@@ -71,7 +70,7 @@ def test_series_as_dataframes(live) -> None:
 
 def test_propose_apply_and_revert_reach_the_job(live) -> None:
     srv, _ = live
-    with Client(srv.url, actor="nora") as dx:
+    with Client(srv.url, actor="nora", token=PEOPLE_TOKEN) as dx:
         nan = dx.anomalies(RUN, kind="nonfinite")[0]
         proposals = dx.propose(RUN, nan.id)
         skip = next(f for f in proposals if f.action.value == "skip_nonfinite")
@@ -84,3 +83,6 @@ def test_propose_apply_and_revert_reach_the_job(live) -> None:
         actors = {(e.action, e.actor) for e in dx.audit(RUN).entries if e.fix_id == skip.id}
         assert ("apply_requested", "person:nora") in actors and ("revert_requested", "person:nora") in actors
         assert ("applied", "job") in actors and ("reverted", "job") in actors
+    with Client(srv.url, token="") as anonymous, pytest.raises(TraindxError) as err:
+        anonymous.propose(RUN, nan.id)
+    assert err.value.status == 401 and err.value.error.error == "unauthorized"

@@ -10,7 +10,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from conftest import ServerProcess, make_server
+from conftest import PEOPLE_TOKEN, ServerProcess
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -24,16 +24,13 @@ sync_api = pytest.importorskip("playwright.sync_api")
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, object]]:
+def live(people_server: ServerProcess) -> Iterator[tuple[ServerProcess, object]]:
     from scripts.live_run import LiveRun
 
-    srv = make_server(tmp_path_factory.mktemp("dash"))
-    srv.start()
-    job = LiveRun(srv.url, RUN, interval=5, step_sleep=0.005).start()
+    job = LiveRun(people_server.url, RUN, interval=5, step_sleep=0.005, token=PEOPLE_TOKEN).start()
     job.wait_steps(80)
-    yield srv, job
+    yield people_server, job
     job.stop()
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +60,8 @@ def count(page, selector: str) -> int:
 def test_live_run_page_charts_anomalies_filters_and_a_fix_from_the_page(live, browser) -> None:
     srv, job = live
     page = browser.new_page(viewport={"width": 1300, "height": 1400})
+    # The server has a token: a person pastes it once in the token box; the page keeps it in localStorage.
+    page.add_init_script(f"localStorage.setItem('traindx.token', '{PEOPLE_TOKEN}')")
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(f"{srv.url}/runs/{RUN}")

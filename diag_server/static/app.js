@@ -201,7 +201,10 @@ async function drawCharts() {
   const time = phases.map((n) => sys.series.find((s) => s.name === n)).filter(Boolean);
   const memory = sys.series.filter((s) => s.name.endsWith("_mb"));
   // A loss spike flattens everything else on a linear axis: go logarithmic when every value allows it.
-  const positive = user.length > 0 && user.every((s) => s.points.every((p) => p.value === null || p.value > 0));
+  // (Decided on the loss; another scalar's zeros are simply not drawn on a log axis.)
+  const lossSeries = user.find((s) => s.name === "loss");
+  const positive = !!lossSeries && lossSeries.points.some((p) => p.value > 0) &&
+    lossSeries.points.every((p) => p.value === null || p.value > 0);
   lineChart("loss", "#chart-loss", user, { log: positive });
   heatmap("#chart-heat", heat);
   lineChart("updates", "#chart-updates", updates.series, { log: true });
