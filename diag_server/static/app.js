@@ -83,6 +83,10 @@ function align(seriesList, transform = (v) => v) {
   return [steps, ...ys];
 }
 
+// Axis labels that stay readable from 1e-6 (update ratios, log scales) to 1e6 (a diverged loss).
+const tick = (v) => v === null ? "" : v === 0 ? "0" : (Math.abs(v) >= 1e-2 && Math.abs(v) < 1e5)
+  ? String(+v.toPrecision(3)) : v.toExponential(0);
+
 function chartWidth(id) { return Math.max(320, $(id).parentElement.clientWidth - 18); }
 
 function lineChart(name, target, seriesList, { log = false, height = 190 } = {}) {
@@ -101,7 +105,7 @@ function lineChart(name, target, seriesList, { log = false, height = 190 } = {})
       series: [{ label: "step" }, ...seriesList.map((s, i) => ({
         label: s.name, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true,
         points: { show: (u) => u.data[0].length < 60 }, value: (u, v) => v === null ? "–" : fmt(v) }))],
-      axes: [{ label: "step" }, { size: AXIS }],
+      axes: [{ label: "step" }, { size: AXIS, values: (u, splits) => splits.map(tick) }],
     };
     chart = new uPlot(opts, data, $(target));
     chart.labels = labels;
