@@ -37,7 +37,7 @@ MaxStep = Annotated[int | None, Query(ge=0, le=2**53, description="Only items th
 MaxPoints = Annotated[int, Query(ge=2, le=10000, description="Downsample each series to at most this many points, "
                                                              "keeping each bucket's min and max (spikes survive).")]
 StatName = Literal["numel", "norm", "mean", "std", "min", "max", "nan_count", "inf_count", "zero_frac", "dead_frac",
-                   "saturated_frac", "update_ratio"]  # the stored columns (ingest._STAT_COLUMNS); a test keeps them equal
+                   "saturated_frac", "update_ratio"]  # the stored columns (store.STAT_COLUMNS); a test keeps them equal
 StatField = Annotated[StatName, Query(description="Statistic of each tensor.")]
 
 

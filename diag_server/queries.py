@@ -13,7 +13,7 @@ from schemas.records import (Anomaly, AnomalyPage, AuditEntry, AuditTrail, Fix, 
                              Series, SeriesPoint)
 
 from .errors import ApiError
-from .store import Store
+from .store import STAT_COLUMNS, Store
 
 # A run that has sent nothing (not even a heartbeat) for this long is 'stale': its job is gone or stuck.
 STALE_AFTER_S = 30.0
@@ -223,9 +223,8 @@ def series(store: Store, run: str, name: str, *, max_points: int = 500, collecti
         rows = conn.execute("SELECT step, value FROM scalars WHERE run=? AND name=? AND step BETWEEN ? AND ? "
                             "ORDER BY step", (run, name, lo, hi)).fetchall()
     else:
-        from .ingest import _STAT_COLUMNS
-        if field not in _STAT_COLUMNS:
-            raise ApiError(422, "invalid_parameter", f"field must be one of {', '.join(_STAT_COLUMNS)}")
+        if field not in STAT_COLUMNS:
+            raise ApiError(422, "invalid_parameter", f"field must be one of {', '.join(STAT_COLUMNS)}")
         rows = conn.execute(f"SELECT step, {field} FROM stats WHERE run=? AND collection=? AND tensor=? "
                             "AND step BETWEEN ? AND ? ORDER BY step", (run, collection, name, lo, hi)).fetchall()
     kept = min_max([(r[0], r[1]) for r in rows], max_points)

@@ -16,7 +16,7 @@ from schemas.records import Heatmap, HistoryEntry, RunHistory, Series, SeriesPoi
 from .downsample import bucket_bounds, bucket_max, min_max
 from .errors import ApiError
 from .queries import check_page, next_offset, require_run
-from .store import Store
+from .store import STAT_COLUMNS, Store
 
 MAX_SERIES = 64  # series in one SeriesSet: a chart with more lines than this is unreadable anyway
 HistoryType = Literal["anomaly", "resolved", "fix", "verdict"]
@@ -24,10 +24,8 @@ _STEP_MAX = 2**63 - 1
 
 
 def _stat_field(field: str) -> str:
-    from .ingest import _STAT_COLUMNS
-
-    if field not in _STAT_COLUMNS:
-        raise ApiError(422, "invalid_parameter", f"field must be one of {', '.join(_STAT_COLUMNS)}, got {field!r}")
+    if field not in STAT_COLUMNS:
+        raise ApiError(422, "invalid_parameter", f"field must be one of {', '.join(STAT_COLUMNS)}, got {field!r}")
     return field
 
 

@@ -284,6 +284,6 @@ def test_the_stat_field_parameter_lists_exactly_the_stored_statistics() -> None:
     from typing import get_args
 
     from diag_server.http import StatName
-    from diag_server.ingest import _STAT_COLUMNS
+    from diag_server.store import STAT_COLUMNS
 
-    assert get_args(StatName) == _STAT_COLUMNS
+    assert get_args(StatName) == STAT_COLUMNS
