@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 
 schemathesis = pytest.importorskip("schemathesis")
 
-from conftest import PEOPLE_RUN, PEOPLE_TOKEN, ServerProcess  # noqa: E402
+from tests.conftest import PEOPLE_RUN, PEOPLE_TOKEN, ServerProcess  # noqa: E402
 
 RUN = PEOPLE_RUN
 # Where a schema-valid request may rightly get a 4xx, so "valid data is accepted" cannot be checked (no

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 from lxml import etree
 
-from conftest import PEOPLE_RUN, PEOPLE_TOKEN, ServerProcess
+from tests.conftest import PEOPLE_RUN, PEOPLE_TOKEN, ServerProcess
 from diag_server.cli import main
 from diag_server.cli_people import table
 from diag_server.xml import xsd_schema

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import pytest
 
-from conftest import PEOPLE_TOKEN, ServerProcess
+from tests.conftest import PEOPLE_TOKEN, ServerProcess
 from diag_server import client as client_module
 from diag_server.client import Client, TraindxError
 from schemas.records import Anomaly, Diagnosis

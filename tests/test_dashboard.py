@@ -10,7 +10,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from conftest import PEOPLE_TOKEN, ServerProcess
+from tests.conftest import PEOPLE_TOKEN, ServerProcess
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -12,7 +12,7 @@ import orjson
 import pytest
 from lxml import etree
 
-from conftest import PEOPLE_RUN, PEOPLE_TOKEN, ServerProcess
+from tests.conftest import PEOPLE_RUN, PEOPLE_TOKEN, ServerProcess
 from diag_server.downsample import min_max
 from diag_server.xml import xsd_schema
 
