@@ -9,6 +9,7 @@ the bucket's minimum, so a chart still shows where the run broke.
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Sequence, TypeVar
 
 P = TypeVar("P")
@@ -46,3 +47,33 @@ def bucket_max(values: Sequence[float | None]) -> float | None:
     """A heat-map cell: the largest finite value of its bucket (a spike stays visible), null if none."""
     finite = [v for v in values if v is not None]
     return max(finite) if finite else None
+
+
+def min_max_query(conn: sqlite3.Connection, table: str, column: str, where: str, args: Sequence[object],
+                  max_points: int) -> tuple[list[tuple[int, float | None]], int]:
+    """``min_max`` done by SQLite: (the kept points, how many there were). ``table``/``column``/``where``
+    are the caller's trusted SQL; ``args`` its parameters. Steps are cut into equal-width buckets, and
+    per bucket SQLite returns the step of its min (or of a null) and of its max (a bare column beside
+    min()/max() takes that row's value), so a 200 000-point series never crosses into Python."""
+    if max_points < 2:
+        raise ValueError(f"max_points must be >= 2, got {max_points}")
+    total = conn.execute(f"SELECT count(*) FROM {table} WHERE {where}", args).fetchone()[0]
+    if total <= max_points:
+        rows = conn.execute(f"SELECT step, {column} FROM {table} WHERE {where} ORDER BY step", args).fetchall()
+        return [(r[0], r[1]) for r in rows], total
+    buckets = max_points // 2
+    first, last = conn.execute(f"SELECT min(step), max(step) FROM {table} WHERE {where}", args).fetchone()
+    # Equal-width buckets on the step axis (the chart's x axis): a plain GROUP BY over the index range.
+    width = max(-(-(last - first + 1) // buckets), 1)
+    ranked = f"WITH r AS (SELECT step, {column} AS v, (step - {int(first)}) / {int(width)} AS b FROM {table} WHERE {where})"
+    # Two scans, not three: a null sorts below everything as -Inf (9e999 is Inf to SQLite), so the min slot
+    # holds the bucket's first null when it has one, which is what a chart should show.
+    hi = {b: (s, v) for b, s, v in conn.execute(f"{ranked} SELECT b, step, max(v) FROM r GROUP BY b", args)}
+    lo = {b: (s, None if v == float("-inf") else v) for b, s, v in conn.execute(
+        f"{ranked} SELECT b, step, min(coalesce(v, -9e999)) FROM r GROUP BY b", args)}
+    kept: dict[int, float | None] = {}
+    for b in range(buckets):
+        for point in (hi.get(b), lo.get(b)):
+            if point is not None:
+                kept[point[0]] = point[1]
+    return sorted(kept.items()), total

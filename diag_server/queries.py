@@ -212,7 +212,7 @@ def series(store: Store, run: str, name: str, *, max_points: int = 500, collecti
            field: str = "norm", min_step: int | None = None, max_step: int | None = None) -> Series:
     """A scalar series (``loss``, ``sys/step_time``, ...) or, with ``collection``, one tensor's statistic,
     within the step range, downsampled to at most ``max_points`` keeping each bucket's min and max."""
-    from .downsample import min_max
+    from .downsample import min_max_query
 
     conn = store.read()
     require_run(conn, run)
@@ -220,13 +220,12 @@ def series(store: Store, run: str, name: str, *, max_points: int = 500, collecti
         raise ApiError(422, "invalid_parameter", f"max_points must be >= 2, got {max_points}")
     lo, hi = (0 if min_step is None else min_step), (2**63 - 1 if max_step is None else max_step)
     if collection is None:
-        rows = conn.execute("SELECT step, value FROM scalars WHERE run=? AND name=? AND step BETWEEN ? AND ? "
-                            "ORDER BY step", (run, name, lo, hi)).fetchall()
+        kept, total = min_max_query(conn, "scalars", "value", "run=? AND name=? AND step BETWEEN ? AND ?",
+                                    (run, name, lo, hi), max_points)
     else:
         if field not in STAT_COLUMNS:
             raise ApiError(422, "invalid_parameter", f"field must be one of {', '.join(STAT_COLUMNS)}")
-        rows = conn.execute(f"SELECT step, {field} FROM stats WHERE run=? AND collection=? AND tensor=? "
-                            "AND step BETWEEN ? AND ? ORDER BY step", (run, collection, name, lo, hi)).fetchall()
-    kept = min_max([(r[0], r[1]) for r in rows], max_points)
+        kept, total = min_max_query(conn, "stats", field, "run=? AND collection=? AND tensor=? AND step BETWEEN ? AND ?",
+                                    (run, collection, name, lo, hi), max_points)
     return Series(run=run, name=name, points=[SeriesPoint(step=s, value=v) for s, v in kept],
-                  downsampled=len(kept) < len(rows))
+                  downsampled=len(kept) < total)

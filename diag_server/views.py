@@ -13,7 +13,7 @@ import orjson
 
 from schemas.records import Heatmap, HistoryEntry, RunHistory, Series, SeriesPoint, SeriesSet
 
-from .downsample import bucket_bounds, bucket_max, min_max
+from .downsample import bucket_bounds, bucket_max, min_max_query
 from .errors import ApiError
 from .queries import check_page, next_offset, require_run
 from .store import STAT_COLUMNS, Store
@@ -33,17 +33,11 @@ def _range(min_step: int | None, max_step: int | None) -> tuple[int, int]:
     return (0 if min_step is None else min_step), (_STEP_MAX if max_step is None else max_step)
 
 
-def _series(run: str, name: str, rows: list[tuple[int, float | None]], max_points: int) -> Series:
-    kept = min_max(rows, max_points)
+def _series(conn: sqlite3.Connection, run: str, name: str, table: str, column: str, where: str,
+            args: list[object], max_points: int) -> Series:
+    kept, total = min_max_query(conn, table, column, where, args, max_points)
     return Series(run=run, name=name, points=[SeriesPoint(step=s, value=v) for s, v in kept],
-                  downsampled=len(kept) < len(rows))
-
-
-def _group(rows: list[sqlite3.Row]) -> dict[str, list[tuple[int, float | None]]]:
-    out: dict[str, list[tuple[int, float | None]]] = {}
-    for name, step, value in rows:
-        out.setdefault(name, []).append((step, value))
-    return out
+                  downsampled=len(kept) < total)
 
 
 def scalar_set(store: Store, run: str, *, names: list[str] | None = None, prefix: str | None = None,
@@ -53,21 +47,19 @@ def scalar_set(store: Store, run: str, *, names: list[str] | None = None, prefix
     conn = store.read()
     require_run(conn, run)
     lo, hi = _range(min_step, max_step)
-    where, args = ["run=?", "step BETWEEN ? AND ?"], [run, lo, hi]
-    picks = []
+    picks, args = [], []
     if names:
         picks.append(f"name IN ({','.join('?' * len(names))})")
         args.extend(names)
     if prefix:
         picks.append("substr(name, 1, ?)=?")
         args.extend([len(prefix), prefix])
-    if picks:
-        where.append("(" + " OR ".join(picks) + ")")
-    rows = conn.execute(f"SELECT name, step, value FROM scalars WHERE {' AND '.join(where)} ORDER BY name, step",
-                        args).fetchall()
-    grouped = _group(rows)
-    order = sorted(grouped, key=lambda n: (names.index(n) if names and n in names else len(names or ()), n))
-    return SeriesSet(run=run, series=[_series(run, n, grouped[n], max_points) for n in order[:MAX_SERIES]])
+    where = "run=?" + (" AND (" + " OR ".join(picks) + ")" if picks else "")
+    found = [r[0] for r in conn.execute(f"SELECT DISTINCT name FROM scalars WHERE {where}", [run, *args])]
+    order = sorted(found, key=lambda n: (names.index(n) if names and n in names else len(names or ()), n))
+    return SeriesSet(run=run, series=[
+        _series(conn, run, n, "scalars", "value", "run=? AND name=? AND step BETWEEN ? AND ?", [run, n, lo, hi],
+                max_points) for n in order[:MAX_SERIES]])
 
 
 def stat_set(store: Store, run: str, *, collection: str, field: str = "norm", tensors: list[str] | None = None,
@@ -78,14 +70,17 @@ def stat_set(store: Store, run: str, *, collection: str, field: str = "norm", te
     require_run(conn, run)
     col = _stat_field(field)
     lo, hi = _range(min_step, max_step)
-    where, args = ["run=?", "collection=?", "step BETWEEN ? AND ?"], [run, collection, lo, hi]
+    # Forward order is the row order of the first sampled step of the collection.
+    first = conn.execute("SELECT min(step) FROM stats WHERE run=? AND collection=?", (run, collection)).fetchone()[0]
+    order = [r[0] for r in conn.execute("SELECT tensor FROM stats WHERE run=? AND collection=? AND step=? ORDER BY rowid",
+                                        (run, collection, first))] if first is not None else []
+    order += [r[0] for r in conn.execute("SELECT DISTINCT tensor FROM stats WHERE run=? AND collection=?",
+                                         (run, collection)) if r[0] not in order]
     if tensors:
-        where.append(f"tensor IN ({','.join('?' * len(tensors))})")
-        args.extend(tensors)
-    rows = conn.execute(f"SELECT tensor, step, {col} FROM stats WHERE {' AND '.join(where)} ORDER BY step, rowid",
-                        args).fetchall()
-    grouped = _group(rows)  # dicts keep insertion order: the first step's row order is forward order
-    return SeriesSet(run=run, series=[_series(run, n, pts, max_points) for n, pts in list(grouped.items())[:MAX_SERIES]])
+        order = [t for t in order if t in tensors]
+    return SeriesSet(run=run, series=[
+        _series(conn, run, t, "stats", col, "run=? AND collection=? AND tensor=? AND step BETWEEN ? AND ?",
+                [run, collection, t, lo, hi], max_points) for t in order[:MAX_SERIES]])
 
 
 def heatmap(store: Store, run: str, *, collection: str = "gradients", field: str = "norm",

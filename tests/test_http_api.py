@@ -5,6 +5,7 @@ description, paging and filters, downsampling that keeps spikes, and the change 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 
 import httpx
@@ -13,7 +14,7 @@ import pytest
 from lxml import etree
 
 from tests.conftest import PEOPLE_RUN, PEOPLE_TOKEN, ServerProcess
-from diag_server.downsample import min_max
+from diag_server.downsample import min_max, min_max_query
 from diag_server.xml import xsd_schema
 
 RUN = PEOPLE_RUN
@@ -257,6 +258,13 @@ def test_min_max_downsampling_keeps_spikes_and_nans() -> None:
     assert len(kept) <= 200 and [s for s, _ in kept] == sorted(s for s, _ in kept)
     assert (31_337, 500.0) in kept and (77_000, None) in kept and (50_001, -3.0) in kept
     assert min_max(points[:50], 200) == points[:50]
+    # The same, done by SQLite, as the routes do it.
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE scalars(run TEXT, step INTEGER, name TEXT, value REAL)")
+    conn.executemany("INSERT INTO scalars VALUES ('r', ?, 'loss', ?)", points)
+    kept, total = min_max_query(conn, "scalars", "value", "run=? AND name=?", ("r", "loss"), 200)
+    assert total == 100_000 and len(kept) <= 200 and [s for s, _ in kept] == sorted(s for s, _ in kept)
+    assert (31_337, 500.0) in kept and (77_000, None) in kept and (50_001, -3.0) in kept
 
 
 def test_stream_sends_an_update_with_the_runs_state(srv: ServerProcess) -> None:
