@@ -43,12 +43,6 @@ def min_max(points: Sequence[tuple[int, float | None]], max_points: int) -> list
     return out
 
 
-def bucket_max(values: Sequence[float | None]) -> float | None:
-    """A heat-map cell: the largest finite value of its bucket (a spike stays visible), null if none."""
-    finite = [v for v in values if v is not None]
-    return max(finite) if finite else None
-
-
 def min_max_query(conn: sqlite3.Connection, table: str, column: str, where: str, args: Sequence[object],
                   max_points: int) -> tuple[list[tuple[int, float | None]], int]:
     """``min_max`` done by SQLite: (the kept points, how many there were). ``table``/``column``/``where``

@@ -13,7 +13,7 @@ import orjson
 
 from schemas.records import Heatmap, HistoryEntry, RunHistory, Series, SeriesPoint, SeriesSet
 
-from .downsample import bucket_bounds, bucket_max, min_max_query
+from .downsample import min_max_query
 from .errors import ApiError
 from .queries import check_page, next_offset, require_run
 from .store import STAT_COLUMNS, Store
@@ -86,25 +86,35 @@ def stat_set(store: Store, run: str, *, collection: str, field: str = "norm", te
 def heatmap(store: Store, run: str, *, collection: str = "gradients", field: str = "norm",
             min_step: int | None = None, max_step: int | None = None, max_steps: int = 200) -> Heatmap:
     """A tensors x steps matrix of one statistic; past ``max_steps`` sampled steps, neighbouring steps share
-    a column holding their largest value, so a one-step spike in one layer still shows."""
+    a column (equal-width on the step axis) holding their largest value, so a one-step spike in one layer
+    still shows. SQLite groups the cells; rows are tensors in forward order."""
     conn = store.read()
     require_run(conn, run)
     if max_steps < 1:
         raise ApiError(422, "invalid_parameter", f"max_steps must be >= 1, got {max_steps}")
     col = _stat_field(field)
     lo, hi = _range(min_step, max_step)
-    rows = conn.execute(f"SELECT tensor, step, {col} FROM stats WHERE run=? AND collection=? AND step BETWEEN ? AND ? "
-                        "ORDER BY step, rowid", (run, collection, lo, hi)).fetchall()
-    tensors: dict[str, int] = {}
-    cells: dict[tuple[str, int], float | None] = {}
-    for tensor, step, value in rows:
-        tensors.setdefault(tensor, len(tensors))
-        cells[(tensor, step)] = value
-    steps = sorted({step for _, step, _ in rows})
-    buckets = bucket_bounds(len(steps), max_steps) if steps else []
-    values = [[bucket_max([cells.get((t, s)) for s in steps[a:b]]) for a, b in buckets] for t in tensors]
-    return Heatmap(run=run, collection=collection, field=field, tensors=list(tensors),
-                   steps=[steps[a] for a, _ in buckets], values=values, downsampled=len(buckets) < len(steps))
+    where, args = "run=? AND collection=? AND step BETWEEN ? AND ?", (run, collection, lo, hi)
+    n_steps, first, last = conn.execute(f"SELECT count(DISTINCT step), min(step), max(step) FROM stats WHERE {where}",
+                                        args).fetchone()
+    if not n_steps:
+        return Heatmap(run=run, collection=collection, field=field, tensors=[], steps=[], values=[])
+    tensors = [r[0] for r in conn.execute(f"SELECT tensor FROM stats WHERE {where} AND step=? ORDER BY rowid",
+                                          (*args, first))]
+    tensors += [r[0] for r in conn.execute(f"SELECT DISTINCT tensor FROM stats WHERE {where}", args)
+                if r[0] not in tensors]
+    width = 1 if n_steps <= max_steps else max(-(-(last - first + 1) // max_steps), 1)
+    cells = conn.execute(f"SELECT tensor, (step - ?) / ?, max({col}), min(step) FROM stats WHERE {where} "
+                         "GROUP BY tensor, 2", (first, width, *args)).fetchall()
+    columns = sorted({c[1] for c in cells})
+    index = {b: j for j, b in enumerate(columns)}
+    starts: dict[int, int] = {}
+    values: dict[str, list[float | None]] = {t: [None] * len(columns) for t in tensors}
+    for tensor, b, value, step in cells:
+        values[tensor][index[b]] = value
+        starts[b] = min(starts.get(b, step), step)
+    return Heatmap(run=run, collection=collection, field=field, tensors=tensors, steps=[starts[b] for b in columns],
+                   values=[values[t] for t in tensors], downsampled=len(columns) < n_steps)
 
 
 def _step_at(conn: sqlite3.Connection, run: str, when: float) -> int:
