@@ -75,6 +75,33 @@ def import_(files: tuple[Path, ...], data_dir: Path) -> None:
 
 
 @main.command()
+@click.argument("run")
+@click.option("--tensorboard", "tensorboard_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Write TensorBoard event files under DIR/RUN (an earlier export there is replaced).")
+@_data_option
+def export(run: str, tensorboard_dir: Path, data_dir: Path) -> None:
+    """Export a run from the store: scalars, tensor statistics, histograms, anomalies and fixes."""
+    from .errors import ApiError
+    from .tensorboard import export_run, open_store_readonly
+
+    try:
+        conn = open_store_readonly(data_dir)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        counts = export_run(conn, run, tensorboard_dir)
+    except ApiError as e:
+        raise click.ClickException(e.message) from None
+    except ImportError as e:
+        raise click.ClickException(f"{e}; the TensorBoard export needs: pip install 'traindx[tensorboard]'") from None
+    finally:
+        conn.close()
+    click.echo(f"{tensorboard_dir / run}: {counts['scalars']} scalar points, {counts['tensor_scalars']} tensor "
+               f"statistics, {counts['histograms']} histograms, {counts['texts']} anomaly/fix notes; "
+               f"open with: tensorboard --logdir {tensorboard_dir}")
+
+
+@main.command()
 @click.option("--steps", type=int, default=1500, show_default=True, help="Training steps.")
 @click.option("--keep", is_flag=True, help="Keep the server running at the end so the data can be browsed.")
 def demo(steps: int, keep: bool) -> None:
@@ -82,6 +109,73 @@ def demo(steps: int, keep: bool) -> None:
     from .demo import run_demo
 
     sys.exit(run_demo(steps=steps, keep=keep))
+
+
+@main.command()
+@click.argument("session", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--against", required=True, help="An MCP endpoint URL (http://HOST:PORT/mcp), or 'stdio' to launch "
+              "`traindx mcp --data DATA`.")
+@click.option("--run-job", is_flag=True, help="Also start the session's seeded training job against the server "
+              "(URL targets only: the job posts to the same host).")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for each response "
+              "to match the recording.")
+@_data_option
+def replay(session: Path, against: str, run_job: bool, timeout: float, data_dir: Path) -> None:
+    """Re-run a recorded MCP session and report every response that differs in shape or meaning."""
+    import asyncio
+
+    from agent_examples.scripted_agent import connect
+    from agent_examples.sessions import SessionError, load, replay as run_replay, start_job
+
+    try:
+        header, calls = load(session)
+    except SessionError as e:
+        raise click.ClickException(str(e)) from None
+    job = None
+    if run_job:
+        if against == "stdio" or not header.get("job"):
+            raise click.ClickException("--run-job needs a URL target and a session whose header names a job")
+        job = start_job(header["job"], against.rsplit("/mcp", 1)[0])
+
+    async def go():  # noqa: ANN202
+        client = connect(stdio_data=str(data_dir), name="traindx-replay") if against == "stdio" else \
+            connect(against, name="traindx-replay")
+        async with client:
+            return await run_replay(client, calls, timeout=timeout)
+
+    report = asyncio.run(go())
+    if job is not None:
+        job.join()
+    for m in report.mismatches:
+        click.echo(f"call {m.seq} ({m.tool}) differs:")
+        for d in m.differences[:20]:
+            click.echo(f"  {d}")
+    click.echo(f"{report.calls} recorded calls replayed ({report.sent} requests sent): "
+               f"{len(report.mismatches)} differ")
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command()
+@click.option("--checkpoint", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A state_dict (or {'state_dict': ...}) saved with torch.save; a whole nn.Module with --trust-checkpoint.")
+@click.option("--recipe", "recipe_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A CompressionRecipe as JSON (GET /v1/runs/RUN/compression, or the compression_recipe tool).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Where to write the small file.")
+@click.option("--trust-checkpoint", is_flag=True, help="Unpickle a whole nn.Module (only for files you trust); "
+              "enables the latency measurement.")
+def compress(checkpoint: Path, recipe_path: Path, out: Path, trust_checkpoint: bool) -> None:
+    """Apply a recipe to a checkpoint: bitmask + kept values (int8 where chosen); print sizes and latency."""
+    import json
+
+    from .compress import CompressError, compress as run_compress
+
+    try:
+        report = run_compress(checkpoint, recipe_path, out, trust=trust_checkpoint)
+    except CompressError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(report, indent=2))
+    click.echo(f"{out}: {report['compressed_bytes']} bytes, {report['ratio']:.3f}x of the dense state_dict "
+               f"({report['dense_state_dict_bytes']} bytes)", err=True)
 
 
 @main.command()

@@ -105,7 +105,8 @@ class Engine:
     def _verify_fixes(self, conn: sqlite3.Connection, obs: Observations, now: float) -> None:
         rows = conn.execute("SELECT f.id, f.applied_step, f.verify, a.status AS astatus, a.last_step AS alast "
                             "FROM fixes f LEFT JOIN anomalies a ON a.id = f.anomaly_id "
-                            "WHERE f.run=? AND f.status='applied'", (obs.run,)).fetchall()
+                            # A fix with no anomaly (prune, sensitivity) has nothing to clear: no verdict.
+                            "WHERE f.run=? AND f.status='applied' AND f.anomaly_id IS NOT NULL", (obs.run,)).fetchall()
         for r in rows:
             applied = r["applied_step"] or 0
             window = max(self.settings.verify_after_intervals * obs.interval, self.settings.verify_min_steps)

@@ -9,8 +9,9 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from schemas.events import Command, FixAck, IngestBatch, IngestReply, RunStart, Scalars, TensorStats
+from schemas.events import Command, FixAck, IngestBatch, IngestReply, LayerProfiles, RunStart, Scalars, TensorStats
 
+from .compression import store_profiles
 from .engine import Engine, loss_median
 from .errors import ApiError
 from .rules import Observations
@@ -79,6 +80,8 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
             obs.interval = int(ev.config.get("interval") or DEFAULT_INTERVAL)  # type: ignore[arg-type]
         elif isinstance(ev, FixAck):
             _apply_ack(conn, run, ev, now)
+        elif isinstance(ev, LayerProfiles):
+            store_profiles(conn, run, ev)
         elif ev.kind == "message":
             conn.execute("INSERT INTO messages(run, step, time, level, text) VALUES (?,?,?,?,?)",
                          (run, ev.step, ev.time, ev.level, ev.text))

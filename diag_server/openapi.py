@@ -62,7 +62,11 @@ def _patch(doc: dict[str, Any]) -> None:
             if method == "post" and path == "/v1/ingest":
                 op["requestBody"] = {"required": True, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/IngestBatch"}}}}
-            if not api:  # the dashboard's pages answer in HTML and only fail with the error shape
+            if path == "/metrics":  # Prometheus text (or OpenMetrics when asked), not a record
+                op["responses"]["200"]["content"] = {
+                    "text/plain": {"schema": {"type": "string"}},
+                    "application/openmetrics-text": {"schema": {"type": "string"}}}
+            if "dashboard" in op.get("tags", []):  # the pages answer in HTML and only fail with the error shape
                 op.setdefault("responses", {}).setdefault("403", {
                     "description": ERROR_TEXT[403],
                     "content": {"application/json": {"schema": ERROR_REF}, XML: {"schema": ERROR_REF}}})

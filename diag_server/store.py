@@ -49,6 +49,8 @@ CREATE TABLE IF NOT EXISTS fixes(
 CREATE INDEX IF NOT EXISTS fixes_by_run ON fixes(run, status);
 CREATE TABLE IF NOT EXISTS audit(run TEXT, time REAL, actor TEXT, action TEXT, fix_id TEXT, detail TEXT);
 CREATE INDEX IF NOT EXISTS audit_by_run ON audit(run, time);
+CREATE TABLE IF NOT EXISTS layer_profiles(
+    run TEXT, source TEXT, name TEXT, step INTEGER, data TEXT, PRIMARY KEY(run, source, name));
 CREATE TABLE IF NOT EXISTS rule_state(run TEXT, rule TEXT, state TEXT, PRIMARY KEY(run, rule));
 """
 

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from . import fixes
+from .amp import ScalerWatch
 from .collect import COLLECTIONS, Collection, HostCopy
 from .sender import Sender
 from .sinks import FileSink, HttpSink, Sink
@@ -68,6 +69,11 @@ class Probe:
         token: str | None = None,
         spool_dir: str | os.PathLike | None = None,
         flush_interval: float = 0.25,
+        scaler: Any = None,
+        scheduler: Any = None,
+        fisher_modules: Iterable[str] | None = None,
+        fisher_decay: float | None = None,
+        fisher_max_elements: int | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"probes.attach needs an nn.Module, got {type(model).__name__}")
@@ -83,6 +89,10 @@ class Probe:
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.allow = self._parse_allow(allow)
+        # Options of the opt-in 'fisher' collection (probes/fisher.py); read when it is built below.
+        self.fisher_modules = list(fisher_modules) if fisher_modules is not None else None
+        self.fisher_decay, self.fisher_max_elements = fisher_decay, fisher_max_elements
+        self.held_batch: tuple | None = None
         self.collections: list[Collection] = []
         wanted = collections if collections is not None else DEFAULT_COLLECTIONS
         items = wanted.items() if isinstance(wanted, Mapping) else ((c, None) for c in wanted)
@@ -102,6 +112,11 @@ class Probe:
         self.sender = Sender(sink, self.run, on_commands=self._inbox.extend, spool_dir=spool_dir,
                              flush_interval=flush_interval)
         self._target = fixes.Target(model, optimizer, self)
+        # An LR scheduler that recomputes the rate from its base_lrs (LambdaLR, Hugging Face's schedules)
+        # would undo an lr fix at its next step; lr fixes scale its base_lrs too (probes.fixes).
+        if scheduler is not None:
+            self._target.schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+        self._amp = ScalerWatch(scaler) if scaler is not None else None  # GradScaler skips (probes.amp)
         self._applied: dict[str, fixes.Applied] = {}
         self._seen_commands: set[tuple[str, str]] = set()
         self._skipped_steps = 0
@@ -121,6 +136,9 @@ class Probe:
         self._due: list[Collection] = []
         self._next_due = 0
         self._send_run_start()
+        for c in self.collections:
+            if getattr(c, "note", None):  # what a collection cannot see in this job (a compiled model, say)
+                self.sender.put({"kind": "message", "step": 0, "time": time.time(), "level": "info", "text": c.note})
         self._arm(0)
         self.prev_end = time.perf_counter()
 
@@ -146,10 +164,12 @@ class Probe:
                 self._losses.append((step, loss.detach() if isinstance(loss, torch.Tensor) else loss))
             if scalars:
                 self._user_scalars.append((step, scalars))
+            if self._amp is not None:
+                self._amp.observe(step)
             if self._due:
                 self._sample(step)
                 self._due = []
-            elif len(self._losses) >= MAX_BUFFERED_LOSSES:
+            elif len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
                 self._flush_scalars()
             if self._inbox:
                 self._apply_commands(step)
@@ -171,6 +191,29 @@ class Probe:
             self.sender.put({"kind": "scalars", "step": max(at, 0), "time": time.time(), "values": values})
         except Exception as e:  # noqa: BLE001
             self._degrade("log", e)
+
+    def defer_step_fixes(self) -> None:
+        """Run gradient fixes from ``before_optimizer_step()`` instead of optimizer step pre-hooks.
+
+        For frameworks whose ``optimizer.step(closure)`` computes the gradients inside ``step`` (Lightning),
+        where a pre-hook would act on the previous step's gradients. Call it right after attaching.
+        """
+        if self._target.deferred is None:
+            self._target.deferred = {}
+
+    def before_optimizer_step(self) -> None:
+        """After backward, before the update: run the active grad_clip / grad_scale / skip_nonfinite fixes."""
+        if self._closed or not self._target.deferred:
+            return
+        try:
+            for fn in list(self._target.deferred.values()):
+                fn()
+        except Exception as e:  # noqa: BLE001
+            self._degrade("before_optimizer_step", e)
+
+    def set_held_batch(self, inputs: Any, targets: Any, loss_fn: Any) -> None:
+        """A fixed batch the 'sensitivity' action measures the loss on: ``loss_fn(model(inputs), targets)``."""
+        self.held_batch = (inputs, targets, loss_fn)
 
     def set_interval(self, interval: int) -> None:
         self.interval = interval
@@ -246,6 +289,8 @@ class Probe:
         for s, values in user:
             for k, v in values.items():
                 self._put_scalar(by_step, s, k, v, bad)
+        if self._amp is not None:
+            self._amp.flush(by_step, sampled_step)
         if self.pending_scalars and sampled_step is not None:
             by_step.setdefault(sampled_step, {}).update(self.pending_scalars)
             self.pending_scalars = {}
@@ -336,7 +381,8 @@ class Probe:
             "optimizer": opt, "torch_version": torch.__version__, "device": str(self.device),
             "world_size": int(os.environ.get("WORLD_SIZE", "1")), "rank": int(os.environ.get("RANK", "0")),
             "host": socket.gethostname(), "allow": sorted(self.allow),
-            "config": {"interval": self.interval, "collections": [c.name for c in self.collections]},
+            "config": {"interval": self.interval, "collections": [c.name for c in self.collections],
+                       "amp_scaler": self._amp is not None},
         })
 
     def _degrade(self, where: str, err: Exception) -> None:

@@ -10,6 +10,8 @@ from .events import (
     FixAck,
     IngestBatch,
     IngestReply,
+    LayerProfile,
+    LayerProfiles,
     ModuleInfo,
     OptimizerInfo,
     ParamInfo,
@@ -46,7 +48,7 @@ from .records import (
 
 __all__ = [
     "SCHEMA_VERSION", "AnomalyKind", "AnomalyStatus", "Collection", "FixAction", "FixStatus", "Severity",
-    "MAX_EVENTS_PER_BATCH", "Command", "Event", "FixAck", "IngestBatch", "IngestReply", "ModuleInfo",
+    "MAX_EVENTS_PER_BATCH", "Command", "Event", "FixAck", "IngestBatch", "IngestReply", "LayerProfile", "LayerProfiles", "ModuleInfo",
     "OptimizerInfo", "ParamInfo", "ProbeMessage", "RunEnd", "RunStart", "Scalars", "StatRow", "TensorStats",
     "Anomaly", "AnomalyPage", "AuditEntry", "AuditTrail", "Cause", "CompressionRecipe", "Diagnosis", "Error",
     "Fix", "FixList", "Health", "Heatmap", "HistoryEntry", "LayerRecipe", "Run", "RunHistory", "RunList",

@@ -127,6 +127,33 @@ class ProbeMessage(_Model):
     text: str = Field(max_length=4000)
 
 
+class LayerProfile(_Model):
+    """One weight's loss increase at each sparsity of a grid, whole output channels, and each cast."""
+
+    name: TensorName
+    numel: int = Field(ge=0)
+    shape: list[int] = Field(default_factory=list, max_length=16)
+    method: str = Field("", max_length=64, description="obs-kfac, obd-diagonal or magnitude: how weights were chosen.")
+    fisher_mean: Number = None
+    saliency_mean: Number = Field(None, description="Mean predicted loss increase per weight removed alone.")
+    sparsities: list[Finite] = Field(max_length=1000)
+    unstructured: list[Number] = Field(max_length=1000, description="Loss increase at each sparsity.")
+    channels: list[Number] | None = Field(None, max_length=1000, description="The same, pruning whole output channels.")
+    precision: dict[str, Number] = Field(default_factory=dict, max_length=8, description="Loss increase per cast.")
+
+
+class LayerProfiles(_Model):
+    """What compressing each layer costs: predicted from the Fisher, or measured on a held batch."""
+
+    kind: Literal["layer_profiles"] = "layer_profiles"
+    step: Step
+    time: Time
+    source: Literal["fisher", "held_batch"]
+    samples: int = Field(0, ge=0, description="Fisher samples averaged (source fisher).")
+    base_loss: Number = Field(None, description="Held-batch loss of the unchanged model (source held_batch).")
+    layers: list[LayerProfile] = Field(max_length=MAX_ROWS_PER_EVENT)
+
+
 class RunEnd(_Model):
     kind: Literal["run_end"] = "run_end"
     step: Step
@@ -135,7 +162,7 @@ class RunEnd(_Model):
 
 
 Event = Annotated[
-    Union[RunStart, Scalars, TensorStats, FixAck, ProbeMessage, RunEnd],
+    Union[RunStart, Scalars, TensorStats, FixAck, ProbeMessage, RunEnd, LayerProfiles],
     Field(discriminator="kind"),
 ]
 

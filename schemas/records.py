@@ -173,11 +173,14 @@ class LayerRecipe(_Record):
     precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
     saliency: Number = Field(None, description="Mean Fisher-weighted saliency per weight (w^2 * F).")
     reason: str
+    size_bytes: int | None = Field(None, ge=0, description="Predicted stored size: kept values + bitmask.")
+    loss_increase: Number = Field(None, description="Predicted loss increase of this layer's sparsity and cast.")
 
 
 class CompressionRecipe(_Record):
     run: RunId
-    target_sparsity: float = Field(ge=0.0, lt=1.0)
+    target_sparsity: float | None = Field(None, ge=0.0, lt=1.0)
+    target_size_bytes: int | None = Field(None, ge=0, description="Size budget, when the target was a size.")
     achieved_sparsity: Finite
     method: str
     layers: list[LayerRecipe]

@@ -79,6 +79,15 @@ def spool_dir(tmp_path: Path) -> Path:
     return tmp_path / "spool"
 
 
+@pytest.fixture(scope="session")
+def session_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real server shared by tests that each use their own run id (starting one costs seconds)."""
+    srv = make_server(tmp_path_factory.mktemp("session-server"))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
 # -- one server for the people-facing tests (HTTP API, CLI, client, dashboard, fuzz) ------------------
 PEOPLE_TOKEN = "people-token-for-tests"
 PEOPLE_RUN = "api-run"
@@ -88,9 +97,9 @@ PEOPLE_RUN = "api-run"
 def people_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server with a bearer token, holding PEOPLE_RUN: a real training run (sampled every step, so what
     the rules see is deterministic) whose learning rate was raised 25x (exploding gradients) and whose
-    loss then went NaN, and which has ended, with fixes proposed by person:ana for its exploding_gradient anomaly. Tests that need a live
-    job start their own LiveRun on it under another run id. Starting one server, not five, matters on a
-    shared CPU."""
+    loss then went NaN, and which has ended, with fixes proposed by person:ana for its exploding_gradient
+    anomaly. Tests that need a live job start their own LiveRun on it under another run id. (It has a
+    token, unlike session_server, so that the tests also prove that the CLI, client and page send it.)"""
     from scripts.live_run import LiveRun
 
     srv = make_server(tmp_path_factory.mktemp("people"), "--token", PEOPLE_TOKEN)

@@ -33,6 +33,8 @@ TOOL_ROUTES = {
     "revert_fix": ("POST", "/v1/runs/{run}/fixes/{fix_id}/revert"),
     "compression_recipe": ("GET", "/v1/runs/{run}/compression"),
     "get_series": ("GET", "/v1/runs/{run}/series/{name}"),
+    "propose_prune": ("POST", "/v1/runs/{run}/compression/prune"),
+    "measure_sensitivity": ("POST", "/v1/runs/{run}/compression/sensitivity"),
 }
 
 
@@ -139,12 +141,14 @@ def test_every_error_has_one_shape_in_the_requested_format(srv: ServerProcess) -
 def test_openapi_describes_every_route_format_error_and_the_ingest_body(srv: ServerProcess, tmp_path: Path) -> None:
     from diag_server.dashboard import build_dashboard_router
     from diag_server.http import build_router
+    from diag_server.metrics import build_router as build_metrics_router
     from diag_server.services import Services, Settings
 
     doc = get(srv, "/openapi.json").json()
     services = Services(Settings(data_dir=tmp_path))
     try:
-        routes = [*build_router(services).routes, *build_dashboard_router(services).routes]
+        routes = [*build_router(services).routes, *build_dashboard_router(services).routes,
+                  *build_metrics_router(services).routes]
     finally:
         services.close()
     declared = {(m.lower(), r.path.replace(":path", "")) for r in routes if r.include_in_schema for m in r.methods}
@@ -157,7 +161,7 @@ def test_openapi_describes_every_route_format_error_and_the_ingest_body(srv: Ser
         for method, op in item.items():
             responses = op["responses"]
             for status in ("404", "422", "403"):
-                if path.startswith("/v1/") or status == "403":
+                if path.startswith("/v1/") or (status == "403" and path != "/metrics"):
                     assert responses[status]["content"]["application/json"]["schema"] == {
                         "$ref": "#/components/schemas/Error"}, (path, status)
             ok = responses.get("200", {}).get("content", {})

@@ -19,7 +19,7 @@ from schemas import events, export, records
 from schemas import (
     Anomaly, AnomalyKind, AnomalyPage, AnomalyStatus, AuditEntry, AuditTrail, Cause, Collection, Command,
     CompressionRecipe, Diagnosis, Error, Fix, FixAck, FixAction, FixList, FixStatus, Health, IngestBatch,
-    IngestReply, LayerRecipe, ModuleInfo, OptimizerInfo, ParamInfo, ProbeMessage, Run, RunEnd, RunList,
+    IngestReply, LayerProfile, LayerProfiles, LayerRecipe, ModuleInfo, OptimizerInfo, ParamInfo, ProbeMessage, Run, RunEnd, RunList,
     RunStart, RunSummary, Scalars, Series, SeriesPoint, Severity, StatRow, TensorStats,
 )
 
@@ -38,6 +38,12 @@ TENSOR_STATS = TensorStats(step=10, time=1700000001.5, collection=Collection.gra
 FIX_ACK = FixAck(step=11, time=1700000002.0, fix_id="f-3", status="applied", before={"lr": 0.01}, after={"lr": 0.001})
 MESSAGE = ProbeMessage(step=12, time=1700000003.0, text="server unreachable; spooling to disk")
 RUN_END = RunEnd(step=100, time=1700000100.0)
+LAYER_PROFILE = LayerProfile(name="fc1.weight", numel=65536, shape=[512, 128], method="obs-kfac", fisher_mean=1e-4,
+                             saliency_mean=NAN, sparsities=[0.0, 0.5], unstructured=[0.0, None], channels=[0.0, 0.3],
+                             precision={"fp16": 1e-9, "int8": None})
+LAYER_PROFILES = LayerProfiles(step=90, time=1700000090.0, source="held_batch", base_loss=0.25,
+                               layers=[LAYER_PROFILE, LayerProfile(name="fc2.weight", numel=10, sparsities=[0.5],
+                                                                   unstructured=[0.1])])
 COMMAND = Command(fix_id="f-3", action=FixAction.grad_clip, params={"max_norm": 1.0, "params": ["fc1.weight"]})
 ANOMALY = Anomaly(id="a-12", run="mnist-1", kind=AnomalyKind.exploding_gradient, severity=Severity.critical,
                   status=AnomalyStatus.open, first_step=40, last_step=52, tensors=["fc1.weight", "fc2.weight"],
@@ -59,9 +65,9 @@ CAUSE = Cause(anomaly_id="a-12", kind=AnomalyKind.exploding_gradient, step=40, t
 
 SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
     IngestBatch(batch_id="b-0001-abcd", run="mnist-1", seq=0,
-                events=[RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END]),
+                events=[RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END, LAYER_PROFILES]),
     IngestReply(accepted=6, commands=[COMMAND, Command(fix_id="f-2", op="revert", action=FixAction.lr_scale)]),
-    RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END, COMMAND, MODULE, PARAM, OPTIMIZER, ROW,
+    RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END, LAYER_PROFILE, LAYER_PROFILES, COMMAND, MODULE, PARAM, OPTIMIZER, ROW,
     ANOMALY,
     AnomalyPage(run="mnist-1", anomalies=[ANOMALY], total=3, offset=0, next_offset=1),
     FIX,
