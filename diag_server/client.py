@@ -28,8 +28,8 @@ from typing import Any, Iterator, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from schemas.records import (Anomaly, AnomalyPage, AuditTrail, CompressionRecipe, Diagnosis, Error, Fix, FixList,
-                             Heatmap, RunHistory, RunList, RunSummary, Series, SeriesSet)
+from schemas.records import (Anomaly, AnomalyPage, AuditPage, CompressionRecipe, Diagnosis, Error, Fix, FixList,
+                             FixPage, Heatmap, RunHistory, RunPage, RunSummary, Series, SeriesSet)
 
 DEFAULT_SERVER = "http://127.0.0.1:8765"
 M = TypeVar("M", bound=BaseModel)
@@ -124,7 +124,7 @@ class Client:
     # -- runs ----------------------------------------------------------------------------------------
     def runs(self, *, status: str | None = None) -> list:
         """Every run, most recently active first (``status``: active, ended or stale)."""
-        return list(self._pages(RunList, "/v1/runs", "runs", None, status=status))
+        return list(self._pages(RunPage, "/v1/runs", "runs", None, status=status))
 
     def run(self, run: str) -> RunSummary:
         return self._call(RunSummary, "GET", f"/v1/runs/{run}")
@@ -186,7 +186,7 @@ class Client:
 
     # -- fixes ---------------------------------------------------------------------------------------
     def fixes(self, run: str, *, status: str | None = None, anomaly_id: str | None = None) -> list[Fix]:
-        return list(self._pages(FixList, f"/v1/runs/{run}/fixes", "fixes", None, status=status, anomaly_id=anomaly_id))
+        return list(self._pages(FixPage, f"/v1/runs/{run}/fixes", "fixes", None, status=status, anomaly_id=anomaly_id))
 
     def propose(self, run: str, anomaly_id: str) -> list[Fix]:
         """Candidate fixes for one anomaly, best first (proposing again returns the same fixes)."""
@@ -213,5 +213,5 @@ class Client:
             fix = self.fix(run, fix_id)
         return fix
 
-    def audit(self, run: str) -> AuditTrail:
-        return self._call(AuditTrail, "GET", f"/v1/runs/{run}/audit", limit=500)
+    def audit(self, run: str) -> AuditPage:
+        return self._call(AuditPage, "GET", f"/v1/runs/{run}/audit", limit=500)

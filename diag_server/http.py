@@ -19,8 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas.enums import SCHEMA_VERSION, AnomalyKind, AnomalyStatus, Collection, FixStatus, Severity
 from schemas.events import IngestReply
-from schemas.records import (Anomaly, AnomalyPage, AuditTrail, CompressionRecipe, Diagnosis, Error, Fix, FixList, Health,
-                             Heatmap, RunHistory, RunList, RunSummary, Series, SeriesSet)
+from schemas.records import (Anomaly, AnomalyPage, AuditPage, CompressionRecipe, Diagnosis, Error, Fix, FixList, FixPage,
+                             Health, Heatmap, RunHistory, RunPage, RunSummary, Series, SeriesSet)
 
 from . import compression, diagnosis, fixes, queries, views
 from .errors import ApiError
@@ -151,10 +151,10 @@ def build_router(services: Services) -> APIRouter:
         reply = await anyio.to_thread.run_sync(ingest, store, services.engine, batch)
         return respond(request, reply)
 
-    @r.get("/v1/runs", response_model=RunList, tags=["runs"], summary="List runs, most recently active first")
+    @r.get("/v1/runs", response_model=RunPage, tags=["runs"], summary="List runs, most recently active first")
     def runs(request: Request, status: Literal["active", "ended", "stale"] | None = None, offset: Offset = 0,
              limit: Limit = 50) -> Response:
-        return respond(request, queries.list_runs(store, status=status, offset=offset, limit=limit))
+        return respond(request, queries.run_page(store, status=status, offset=offset, limit=limit))
 
     @r.get("/v1/runs/{run}", response_model=RunSummary, tags=["runs"])
     def run_summary(request: Request, run: str) -> Response:
@@ -185,13 +185,13 @@ def build_router(services: Services) -> APIRouter:
     def propose(request: Request, run: str, anomaly_id: str) -> Response:
         return respond(request, fixes.propose(store, run, anomaly_id, actor(request)))
 
-    @r.get("/v1/runs/{run}/fixes", response_model=FixList, tags=["fixes"])
+    @r.get("/v1/runs/{run}/fixes", response_model=FixPage, tags=["fixes"])
     def list_fixes(request: Request, run: str, status: FixStatus | None = None, anomaly_id: str | None = None,
                    kind: Annotated[AnomalyKind | None, Query(description="Kind of the fix's anomaly.")] = None,
                    severity: Annotated[Severity | None, Query(description="Severity of the fix's anomaly.")] = None,
                    min_step: MinStep = None, max_step: MaxStep = None, offset: Offset = 0,
                    limit: Limit = 50) -> Response:
-        return respond(request, queries.fixes(store, run, status=status, anomaly_id=anomaly_id, kind=kind,
+        return respond(request, queries.fix_page(store, run, status=status, anomaly_id=anomaly_id, kind=kind,
                                               severity=severity, min_step=min_step, max_step=max_step,
                                               offset=offset, limit=limit))
 
@@ -207,11 +207,11 @@ def build_router(services: Services) -> APIRouter:
     def revert_fix(request: Request, run: str, fix_id: str) -> Response:
         return respond(request, fixes.revert(store, run, fix_id, actor(request)))
 
-    @r.get("/v1/runs/{run}/audit", response_model=AuditTrail, tags=["fixes"],
+    @r.get("/v1/runs/{run}/audit", response_model=AuditPage, tags=["fixes"],
            summary="Who asked for what, when, with the job's before/after values")
     def audit(request: Request, run: str, fix_id: str | None = None, offset: Offset = 0,
               limit: Limit = 50) -> Response:
-        return respond(request, queries.audit(store, run, fix_id=fix_id, offset=offset, limit=limit))
+        return respond(request, queries.audit_page(store, run, fix_id=fix_id, offset=offset, limit=limit))
 
     @r.get("/v1/runs/{run}/history", response_model=RunHistory, tags=["runs"],
            summary="The run's timeline: anomalies, fixes and verdicts on the step axis")

@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 
 from schemas.enums import AnomalyKind, AnomalyStatus, FixStatus, Severity
-from schemas.records import (Anomaly, AnomalyPage, AuditEntry, AuditTrail, Fix, FixList, Run, RunList, RunSummary,
+from schemas.records import (Anomaly, AnomalyPage, AuditEntry, AuditPage, AuditTrail, Fix, FixList, FixPage, Run,
+                             RunList, RunPage, RunSummary,
                              Series, SeriesPoint)
 
 from .errors import ApiError
@@ -53,7 +54,7 @@ def next_offset(offset: int, returned: int, total: int) -> int | None:
     return nxt if nxt < total else None
 
 
-def list_runs(store: Store, *, status: str | None = None, offset: int = 0, limit: int | None = None) -> RunList:
+def run_page(store: Store, *, status: str | None = None, offset: int = 0, limit: int | None = None) -> RunPage:
     check_page(offset, limit)
     conn, now = store.read(), time.time()
     counts = dict(conn.execute("SELECT run, count(*) FROM anomalies WHERE status='open' GROUP BY run").fetchall())
@@ -62,7 +63,11 @@ def list_runs(store: Store, *, status: str | None = None, offset: int = 0, limit
     if status is not None:  # active/stale is computed from last_seen, so it filters here rather than in SQL
         runs = [r for r in runs if r.status == status]
     page = runs[offset:None if limit is None else offset + limit]
-    return RunList(runs=page, total=len(runs), offset=offset, next_offset=next_offset(offset, len(page), len(runs)))
+    return RunPage(runs=page, total=len(runs), offset=offset, next_offset=next_offset(offset, len(page), len(runs)))
+
+
+def list_runs(store: Store) -> RunList:
+    return RunList(runs=run_page(store).runs)
 
 
 def run_summary(store: Store, run: str) -> RunSummary:
@@ -146,9 +151,14 @@ def get_fix(conn: sqlite3.Connection, run: str, fix_id: str) -> Fix:
     return fix_from_row(row)
 
 
-def fixes(store: Store, run: str, *, status: FixStatus | None = None, anomaly_id: str | None = None,
-          kind: AnomalyKind | None = None, severity: Severity | None = None, min_step: int | None = None,
-          max_step: int | None = None, offset: int = 0, limit: int | None = None) -> FixList:
+def fixes(store: Store, run: str, *, status: FixStatus | None = None, anomaly_id: str | None = None) -> FixList:
+    page = fix_page(store, run, status=status, anomaly_id=anomaly_id)
+    return FixList(run=run, fixes=page.fixes)
+
+
+def fix_page(store: Store, run: str, *, status: FixStatus | None = None, anomaly_id: str | None = None,
+             kind: AnomalyKind | None = None, severity: Severity | None = None, min_step: int | None = None,
+             max_step: int | None = None, offset: int = 0, limit: int | None = None) -> FixPage:
     """The run's fixes in the order they were proposed. ``kind``, ``severity`` and the step range filter on
     the anomaly each fix is for, with the same meaning as in ``anomalies``."""
     conn = store.read()
@@ -172,12 +182,16 @@ def fixes(store: Store, run: str, *, status: FixStatus | None = None, anomaly_id
     total = conn.execute(f"SELECT count(*) {frm}", args).fetchone()[0]
     rows = conn.execute(f"SELECT f.* {frm} ORDER BY f.seq LIMIT ? OFFSET ?",
                         [*args, -1 if limit is None else limit, offset]).fetchall()
-    return FixList(run=run, fixes=[fix_from_row(r) for r in rows], total=total, offset=offset,
+    return FixPage(run=run, fixes=[fix_from_row(r) for r in rows], total=total, offset=offset,
                    next_offset=next_offset(offset, len(rows), total))
 
 
-def audit(store: Store, run: str, *, fix_id: str | None = None, offset: int = 0,
-          limit: int | None = None) -> AuditTrail:
+def audit(store: Store, run: str) -> AuditTrail:
+    return AuditTrail(run=run, entries=audit_page(store, run).entries)
+
+
+def audit_page(store: Store, run: str, *, fix_id: str | None = None, offset: int = 0,
+               limit: int | None = None) -> AuditPage:
     conn = store.read()
     require_run(conn, run)
     check_page(offset, limit)
@@ -185,7 +199,7 @@ def audit(store: Store, run: str, *, fix_id: str | None = None, offset: int = 0,
     total = conn.execute(f"SELECT count(*) FROM audit WHERE {where}", args).fetchone()[0]
     rows = conn.execute(f"SELECT * FROM audit WHERE {where} ORDER BY time, rowid LIMIT ? OFFSET ?",
                         [*args, -1 if limit is None else limit, offset]).fetchall()
-    return AuditTrail(run=run, entries=[AuditEntry(run=r["run"], time=r["time"], actor=r["actor"], action=r["action"],
+    return AuditPage(run=run, entries=[AuditEntry(run=r["run"], time=r["time"], actor=r["actor"], action=r["action"],
                                                    fix_id=r["fix_id"], detail=_clean(_json(r["detail"], {})))
                                         for r in rows],
                       total=total, offset=offset, next_offset=next_offset(offset, len(rows), total))

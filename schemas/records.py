@@ -63,9 +63,6 @@ class Fix(_Record):
 class FixList(_Record):
     run: RunId
     fixes: list[Fix]
-    total: int | None = Field(None, description="Matching fixes, before paging.")
-    offset: int = 0
-    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
 
 
 class AuditEntry(_Record):
@@ -80,9 +77,6 @@ class AuditEntry(_Record):
 class AuditTrail(_Record):
     run: RunId
     entries: list[AuditEntry]
-    total: int | None = Field(None, description="Matching entries, before paging.")
-    offset: int = 0
-    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
 
 
 class Run(_Record):
@@ -99,9 +93,6 @@ class Run(_Record):
 
 class RunList(_Record):
     runs: list[Run]
-    total: int | None = Field(None, description="Matching runs, before paging.")
-    offset: int = 0
-    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
 
 
 class RunSummary(_Record):
@@ -121,6 +112,35 @@ class Series(_Record):
     name: str
     points: list[SeriesPoint]
     downsampled: bool = False
+
+
+class RunPage(_Record):
+    """One page of runs (GET /v1/runs): paging and filters as on every list."""
+
+    runs: list[Run]
+    total: int = Field(description="Matching runs, before paging.")
+    offset: int = 0
+    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
+
+
+class FixPage(_Record):
+    """One page of a run's fixes (GET /v1/runs/{run}/fixes)."""
+
+    run: RunId
+    fixes: list[Fix]
+    total: int = Field(description="Matching fixes, before paging.")
+    offset: int = 0
+    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
+
+
+class AuditPage(_Record):
+    """One page of a run's audit trail (GET /v1/runs/{run}/audit)."""
+
+    run: RunId
+    entries: list[AuditEntry]
+    total: int = Field(description="Matching entries, before paging.")
+    offset: int = 0
+    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
 
 
 class SeriesSet(_Record):

