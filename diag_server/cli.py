@@ -29,15 +29,27 @@ def main() -> None:
 @click.option("--token", default=lambda: os.environ.get("TRAINDX_TOKEN"),
               help="Require 'Authorization: Bearer TOKEN' on ingest and write routes. Env: TRAINDX_TOKEN.")
 @click.option("--log-level", default="warning", show_default=True)
+@click.option("--rule", "rules", multiple=True, metavar="MODULE:CLASS",
+              help="Add a rule of your own (a Rule subclass). Repeatable. Env: TRAINDX_RULES (comma-separated).")
+@click.option("--rule-param", "rule_params", multiple=True, metavar="RULE.PARAM=VALUE",
+              help="Tune a rule, e.g. dead_relu.threshold=0.8. Repeatable. Env: TRAINDX_RULE_PARAMS.")
+@click.option("--disable-rule", "disabled", multiple=True, metavar="RULE",
+              help="Switch a rule off. Repeatable. Env: TRAINDX_DISABLE_RULES.")
 @_data_option
-def serve(host: str, port: int, token: str | None, log_level: str, data_dir: Path) -> None:
+def serve(host: str, port: int, token: str | None, log_level: str, rules: tuple[str, ...],
+          rule_params: tuple[str, ...], disabled: tuple[str, ...], data_dir: Path) -> None:
     """Serve ingest, the REST API (/v1), MCP over Streamable HTTP (/mcp) and health (/health)."""
     import uvicorn
 
     from .app import create_app
+    from .rule_config import engine_settings
     from .services import Settings
 
-    app = create_app(Settings(host=host, port=port, data_dir=data_dir, token=token))
+    try:
+        engine = engine_settings(list(rules), list(rule_params), list(disabled))
+    except (ValueError, ImportError) as e:
+        raise click.BadParameter(str(e), param_hint="rules") from None
+    app = create_app(Settings(host=host, port=port, data_dir=data_dir, token=token, engine=engine))
     click.echo(f"traindx serving on http://{host}:{port} (MCP at /mcp), data in {data_dir}", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
@@ -63,9 +75,14 @@ def mcp(data_dir: Path) -> None:
 def import_(files: tuple[Path, ...], data_dir: Path) -> None:
     """Load event files (written with server=False, or a probe's spool) into the store. Idempotent."""
     from .importer import import_file
+    from .rule_config import engine_settings
     from .services import Services, Settings
 
-    services = Services(Settings(data_dir=data_dir))
+    try:
+        engine = engine_settings()  # TRAINDX_RULES / TRAINDX_RULE_PARAMS / TRAINDX_DISABLE_RULES, as for serve
+    except (ValueError, ImportError) as e:
+        raise click.BadParameter(str(e), param_hint="TRAINDX_RULES") from None
+    services = Services(Settings(data_dir=data_dir, engine=engine))
     try:
         for f in files:
             n, dup, bad = import_file(services, f)
@@ -109,6 +126,26 @@ def demo(steps: int, keep: bool) -> None:
     from .demo import run_demo
 
     sys.exit(run_demo(steps=steps, keep=keep))
+
+
+@main.command("rules")
+@click.option("--rule", "rules", multiple=True, metavar="MODULE:CLASS", help="Include a rule of your own.")
+@click.option("--rule-param", "rule_params", multiple=True, metavar="RULE.PARAM=VALUE", help="Show tuned values.")
+@click.option("--disable-rule", "disabled", multiple=True, metavar="RULE")
+def rules_(rules: tuple[str, ...], rule_params: tuple[str, ...], disabled: tuple[str, ...]) -> None:
+    """List the rule catalog: each rule, the anomaly kinds it raises, its parameters and their sources."""
+    from .engine import Engine
+    from .rule_config import engine_settings
+
+    try:
+        engine = Engine(engine_settings(list(rules), list(rule_params), list(disabled)))
+    except (ValueError, ImportError) as e:
+        raise click.BadParameter(str(e), param_hint="rules") from None
+    for r in engine.describe():
+        click.echo(f"{r['name']}  ({', '.join(r['kinds'])})\n  {r['description']}")
+        for k, p in r["params"].items():
+            tuned = "" if p["value"] == p["default"] else f" (default {p['default']:g})"
+            click.echo(f"    {k} = {p['value']:g}{tuned}: {p['help']} [{p['source']}]")
 
 
 @main.command()

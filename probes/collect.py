@@ -80,6 +80,10 @@ class Collection:
     def collect(self, step: int) -> list[HostCopy]:
         return []
 
+    def reports(self, step: int) -> bool:
+        """Whether a due step also sends (a collection may track on more steps than it reports)."""
+        return True
+
     def disarm(self) -> None:
         for h in self._handles:
             h.remove()
@@ -358,3 +362,5 @@ COLLECTIONS: dict[str, type[Collection]] = {
 
 from .fisher import Fisher  # noqa: E402 - opt-in curvature for compression; it subclasses Collection above
 COLLECTIONS[Fisher.name] = Fisher
+from .embeddings import Embeddings  # noqa: E402 - per-row embedding dynamics; it subclasses Collection above
+COLLECTIONS[Embeddings.name] = Embeddings

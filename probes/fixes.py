@@ -247,6 +247,12 @@ def set_probe(t: Target, params: Mapping, bounds: Mapping) -> Applied:
     return Applied({"interval": old}, {"interval": interval}, undo)
 
 
+def embedding_grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
+    from .embeddings import embedding_grad_scale as impl  # lives with the statistics it reads
+
+    return impl(t, params, bounds, fix_id)
+
+
 # Actions that take the fix id (they register a hook under it) are listed in _HOOKED.
 ACTIONS: dict[str, Callable[..., Applied]] = {
     "lr_scale": lr_scale,
@@ -257,8 +263,9 @@ ACTIONS: dict[str, Callable[..., Applied]] = {
     "freeze": freeze,
     "unfreeze": unfreeze,
     "set_probe": set_probe,
+    "embedding_grad_scale": embedding_grad_scale,
 }
-_HOOKED = {"grad_clip", "skip_nonfinite", "grad_scale"}
+_HOOKED = {"grad_clip", "skip_nonfinite", "grad_scale", "embedding_grad_scale"}
 
 from .compress_actions import prune, sensitivity  # noqa: E402 - they build on the helpers above
 ACTIONS.update(prune=prune, sensitivity=sensitivity)

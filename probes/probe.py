@@ -23,6 +23,7 @@ from .amp import ScalerWatch
 from .collect import COLLECTIONS, Collection, HostCopy
 from .sender import Sender
 from .sinks import FileSink, HttpSink, Sink
+from .snapshot import Snapshots
 
 log = logging.getLogger("traindx.probe")
 
@@ -74,6 +75,7 @@ class Probe:
         fisher_modules: Iterable[str] | None = None,
         fisher_decay: float | None = None,
         fisher_max_elements: int | None = None,
+        rules: Mapping[str, Mapping[str, float] | bool] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"probes.attach needs an nn.Module, got {type(model).__name__}")
@@ -120,6 +122,10 @@ class Probe:
         self._applied: dict[str, fixes.Applied] = {}
         self._seen_commands: set[tuple[str, str]] = set()
         self._skipped_steps = 0
+        # A snapshot that waits for a forward pass knocks on the inbox when it is done, so step() needs no
+        # check of its own: the inbox check it already makes covers it.
+        self._snapshots = Snapshots(model, self.params, on_ready=lambda: self._inbox.append({"op": "_snapshots"}))
+        self.rules = _rule_config(rules)
 
         self._step = 0
         self._closed = False
@@ -215,6 +221,52 @@ class Probe:
         """A fixed batch the 'sensitivity' action measures the loss on: ``loss_fn(model(inputs), targets)``."""
         self.held_batch = (inputs, targets, loss_fn)
 
+    def report(self, *, file: Any = None, timeout: float = 10.0) -> str:
+        """Print the run's diagnosis and return it as text.
+
+        Asked of the server when the probe sends to one; with no server (``server=False``, or a server that
+        cannot be reached) the same rules run here over the run's local events, importing the server's
+        code only now. Never raises: a failure is described in the returned text.
+        """
+        import sys
+
+        try:
+            if not self._closed:
+                self.flush(timeout)
+            text = self._server_report(timeout) or self._local_report()
+        except Exception as e:  # noqa: BLE001 - a report must not break the job
+            text = f"traindx: no report for run {self.run}: {type(e).__name__}: {e}"
+        print(text, file=file or sys.stdout)
+        return text
+
+    def _server_report(self, timeout: float) -> str | None:
+        sink = self.sender.sink
+        if not isinstance(sink, HttpSink):
+            return None
+        import httpx
+
+        try:
+            r = httpx.get(f"{sink.server}/v1/runs/{self.run}/diagnosis", timeout=timeout,
+                          headers={"accept": "application/json", **({"authorization": sink._client.headers["authorization"]}
+                                                                    if "authorization" in sink._client.headers else {})})
+        except httpx.HTTPError:
+            return None
+        return r.json().get("report") if r.status_code == 200 else None
+
+    def _local_report(self) -> str:
+        sink = self.sender.sink
+        from diag_server import local  # only here: a training job never imports the server otherwise
+
+        if isinstance(sink, FileSink):
+            return local.diagnose_file(sink.path, self.run)
+        batches = getattr(sink, "batches", None)
+        if batches is not None:  # MemorySink
+            return local.diagnose_batches(list(batches), self.run)
+        spool = self.sender.spool_path
+        if spool.exists():  # the server was never reached: what it would have got is in the spool
+            return local.diagnose_file(spool, self.run)
+        return f"traindx: no report for run {self.run}: the server cannot be reached and no events are kept locally"
+
     def set_interval(self, interval: int) -> None:
         self.interval = interval
         for c in self.collections:
@@ -236,6 +288,7 @@ class Probe:
                 c.close()
             for h in list(self._target.hooks.values()):
                 h.remove()
+            self._snapshots.close()
             self._flush_scalars()
             self._drain_in_flight(wait=True)
             self.sender.put({"kind": "run_end", "step": self._step, "time": time.time(), "reason": "closed"})
@@ -262,10 +315,15 @@ class Probe:
             c.arm(step)
 
     def _sample(self, step: int) -> None:
+        reporting = False
         for c in self._due:
             self._in_flight.extend(c.collect(step))
-        self._flush_scalars(step)
-        self._drain_in_flight(wait=False)
+            reporting = reporting or c.reports(step)
+        if reporting:  # a step that is only tracked (embeddings) sends nothing and reads no loss
+            self._flush_scalars(step)
+            self._drain_in_flight(wait=False)
+        elif len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
+            self._flush_scalars()
 
     def reset_step_times(self) -> None:
         self.step_time_sum = self.step_time_max = 0.0
@@ -333,10 +391,19 @@ class Probe:
     def _apply_commands(self, step: int) -> None:
         while self._inbox:
             cmd = self._inbox.popleft()
+            if cmd.get("op") == "_snapshots":
+                for ev in self._snapshots.poll():
+                    self.sender.put(ev)
+                continue
             key = (str(cmd.get("fix_id")), str(cmd.get("op", "apply")))
             if key in self._seen_commands:
                 continue  # the server resends until it sees our ack; apply once
             self._seen_commands.add(key)
+            if key[1] == "snapshot":
+                ev = self._snapshots.request(cmd, step)
+                if ev is not None:
+                    self.sender.put(ev)
+                continue
             self.sender.put(self._run_command(cmd, step))
 
     def _run_command(self, cmd: dict, step: int) -> dict:
@@ -383,6 +450,7 @@ class Probe:
             "host": socket.gethostname(), "allow": sorted(self.allow),
             "config": {"interval": self.interval, "collections": [c.name for c in self.collections],
                        "amp_scaler": self._amp is not None},
+            "config": {"interval": self.interval, "collections": [c.name for c in self.collections], **self.rules},
         })
 
     def _degrade(self, where: str, err: Exception) -> None:
@@ -401,6 +469,25 @@ class Probe:
             self.collections = []
             self._due = []
             self._next_due = 2**62
+
+
+def _rule_config(rules: Mapping[str, Mapping[str, float] | bool] | None) -> dict:
+    """``{"dead_relu": {"threshold": 0.8}, "oscillating_loss": False}`` -> the run start's flat config keys."""
+    out: dict[str, Any] = {}
+    disabled = []
+    for rule, setting in (rules or {}).items():
+        if setting is False:
+            disabled.append(str(rule))
+        elif isinstance(setting, Mapping):
+            for param, value in setting.items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"rules[{rule!r}][{param!r}] must be a number, got {value!r}")
+                out[f"rules.{rule}.{param}"] = float(value)
+        elif setting is not True:
+            raise ValueError(f"rules[{rule!r}] must be a dict of parameters, or False to disable it")
+    if disabled:
+        out["rules.disable"] = disabled
+    return out
 
 
 def _hyper(v: Any) -> Any:

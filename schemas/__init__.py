@@ -6,6 +6,8 @@ from .enums import SCHEMA_VERSION, AnomalyKind, AnomalyStatus, Collection, FixAc
 from .events import (
     MAX_EVENTS_PER_BATCH,
     Command,
+    EmbeddingRow,
+    EmbeddingSummary,
     Event,
     FixAck,
     IngestBatch,
@@ -20,6 +22,8 @@ from .events import (
     RunStart,
     Scalars,
     StatRow,
+    TensorSlice,
+    TensorSnapshot,
     TensorStats,
 )
 from .records import (
@@ -51,8 +55,10 @@ from .records import (
 
 __all__ = [
     "SCHEMA_VERSION", "AnomalyKind", "AnomalyStatus", "Collection", "FixAction", "FixStatus", "Severity",
-    "MAX_EVENTS_PER_BATCH", "Command", "Event", "FixAck", "IngestBatch", "IngestReply", "LayerProfile", "LayerProfiles", "ModuleInfo",
+    "MAX_EVENTS_PER_BATCH", "Command", "EmbeddingRow", "EmbeddingSummary", "Event", "FixAck", "IngestBatch", "IngestReply",
+    "LayerProfile", "LayerProfiles", "ModuleInfo",
     "OptimizerInfo", "ParamInfo", "ProbeMessage", "RunEnd", "RunStart", "Scalars", "StatRow", "TensorStats",
+    "TensorSlice", "TensorSnapshot",
     "Anomaly", "AnomalyPage", "AuditEntry", "AuditPage", "AuditTrail", "Cause", "CompressionRecipe", "Diagnosis", "Error",
     "Fix", "FixList", "FixPage", "Health", "Heatmap", "HistoryEntry", "LayerRecipe", "Run", "RunHistory", "RunList", "RunPage",
     "RunSummary", "Series", "SeriesPoint", "SeriesSet",

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .enums import AnomalyKind, AnomalyStatus, FixAction, FixStatus, Severity
-from .events import Finite, Number, Params, RunId, Time
+from .events import Finite, Number, Params, RunId, TensorSlice, Time
 
 
 class _Record(BaseModel):
@@ -29,6 +29,8 @@ class Anomaly(_Record):
     rule: str = Field(description="Name of the rule that raised it.")
     created_at: Time
     updated_at: Time
+    snapshot: list[TensorSlice] = Field(default_factory=list, description="Slices of the offending tensors, taken "
+                                        "by the job when the anomaly opened critical (evidence on demand).")
 
 
 class AnomalyPage(_Record):
@@ -224,6 +226,10 @@ class Diagnosis(_Record):
     summary: str
     causes: list[Cause]
     report: str = Field(description="The same, as text a person can read.")
+    context: list[str] = Field(default_factory=list, description="Where the first problem began (first step, first "
+                               "tensor in forward order) and what changed just before it (learning rate, a fix, data).")
+    history: list[str] = Field(default_factory=list, description="Departures from the run's own healthy stretch and "
+                               "from earlier runs of the same model structure, naming the run compared against.")
 
 
 class Health(_Record):

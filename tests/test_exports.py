@@ -35,7 +35,7 @@ def _faulty_run(url: str, run: str, spool) -> None:
 def faulty(session_server, tmp_path_factory):
     run = "export-nan"
     _faulty_run(session_server.url, run, tmp_path_factory.mktemp("spool"))
-    assert [a["kind"] for a in Agent(session_server.url, run).anomalies()] == ["nonfinite"]
+    assert "nonfinite" in [a["kind"] for a in Agent(session_server.url, run).anomalies()]
     return session_server, run
 
 

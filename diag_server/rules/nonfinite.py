@@ -13,7 +13,7 @@ from .base import Finding, Observations, Param, Rule
 # Scalars whose nulls mean "not finite". Anything else a user logs may legitimately be missing.
 _WATCHED_PREFIXES = ("loss", "val_", "sys/", "lr/")
 # Where a NaN shows first, from the earliest point of a step to the latest.
-_COLLECTIONS = ("activations", "gradients", "weights")
+_COLLECTIONS = ("activations", "gradients", "weights", "embeddings")
 # The probe sends this scalar (1.0) at each step an AMP GradScaler skipped (probes/amp.py): Inf/NaN in
 # that step's gradients is the scaler doing its job, not a fault. It always arrives no later than the
 # step's gradients (the probe sends scalars first), so remembering the last few such steps is enough.
@@ -81,4 +81,6 @@ class NonFinite(Rule):
 
 
 def _rank(what: str) -> int:
-    return _COLLECTIONS.index(what) if what in _COLLECTIONS else -1  # a scalar is seen at the same step first
+    # At one step, forward order: activations (from <input> on), then the loss computed from them, then
+    # gradients and weights. A scalar alone (between samples) still names the step.
+    return {"activations": 0, "gradients": 2, "weights": 3}.get(what, 1)
