@@ -10,7 +10,8 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI
 
-from . import __version__
+from . import __version__, openapi
+from .dashboard import build_dashboard_router
 from .http import build_router, install_error_handlers
 from .metrics import build_router as build_metrics_router
 from .services import Services, Settings
@@ -34,5 +35,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     install_error_handlers(app)
     app.include_router(build_router(services))
     app.include_router(build_metrics_router(services))  # GET /metrics for Prometheus
+    app.include_router(build_dashboard_router(services))
+    openapi.install(app)
     app.router.routes.extend(mcp_app.routes)  # the /mcp route, beside the REST routes
     return app

@@ -229,5 +229,9 @@ from .cli_distributed import capture_command, timeline_command  # noqa: E402
 main.add_command(timeline_command)
 main.add_command(capture_command)
 
+from .cli_people import register as _register_people  # noqa: E402 - runs, anomalies, diagnose, fixes, ...
+
+_register_people(main)
+
 if __name__ == "__main__":
     main()

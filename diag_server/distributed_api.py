@@ -23,11 +23,12 @@ from .tools import _READ, RunArg, _actor, _call
 MAX_CAPTURE_STEPS = captures.MAX_CAPTURE_STEPS
 
 
-def build_router(services: Services, writer: list[Any]) -> APIRouter:
-    from .http import actor, respond
+def build_router(services: Services, writer: list[Any], common: list[Any]) -> APIRouter:
+    """The distributed routes, with the main router's error responses and browser guard (``common``)."""
+    from .http import ERRORS, actor, respond
 
     store = services.store
-    r = APIRouter()
+    r = APIRouter(responses=ERRORS, dependencies=common)
 
     @r.get("/v1/runs/{run}/timeline", response_model=Timeline, tags=["distributed"],
            summary="The run's spans across ranks; ?format=chrome for a Chrome trace / Perfetto JSON file")

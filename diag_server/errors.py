@@ -14,7 +14,13 @@ class ApiError(Exception):
         self.detail = detail or []
 
     def body(self) -> Error:
-        return Error(error=self.code, message=self.message, detail=self.detail)
+        return Error(error=self.code, message=_printable(self.message), detail=[_printable(d) for d in self.detail])
 
     def __str__(self) -> str:
         return self.message + ("" if not self.detail else " (" + "; ".join(self.detail) + ")")
+
+
+def _printable(text: str) -> str:
+    """Messages quote what the client sent, which may hold lone surrogates that no UTF-8 (JSON or XML)
+    answer can carry: those become '?'."""
+    return text.encode("utf-8", "replace").decode("utf-8")

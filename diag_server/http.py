@@ -17,15 +17,28 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from schemas.enums import SCHEMA_VERSION, AnomalyKind, AnomalyStatus, FixStatus, Severity
+from schemas.enums import SCHEMA_VERSION, AnomalyKind, AnomalyStatus, Collection, FixStatus, Severity
 from schemas.events import IngestReply
-from schemas.records import (AnomalyPage, AuditTrail, CompressionRecipe, Diagnosis, Error, Fix, FixList, Health,
-                             RunList, RunSummary, Series)
+from schemas.records import (Anomaly, AnomalyPage, AuditPage, CompressionRecipe, Diagnosis, Error, Fix, FixList, FixPage,
+                             Health, Heatmap, RunHistory, RunPage, RunSummary, Series, SeriesSet)
 
-from . import compression, diagnosis, fixes, queries
+from . import compression, diagnosis, fixes, queries, views
 from .errors import ApiError
 from .ingest import MAX_BODY_BYTES, ingest, parse_batch
+from .origin import check_browser_request
 from .services import Services
+from .stream import run_updates
+
+# The same paging and step-range parameters on every list, with the same bounds.
+Offset = Annotated[int, Query(ge=0, le=2**31, description="Skip this many items (see next_offset).")]
+Limit = Annotated[int, Query(ge=1, le=queries.MAX_PAGE, description="Page size.")]
+MinStep = Annotated[int | None, Query(ge=0, le=2**53, description="Only items still holding at or after this step.")]
+MaxStep = Annotated[int | None, Query(ge=0, le=2**53, description="Only items that began at or before this step.")]
+MaxPoints = Annotated[int, Query(ge=2, le=10000, description="Downsample each series to at most this many points, "
+                                                             "keeping each bucket's min and max (spikes survive).")]
+StatName = Literal["numel", "norm", "mean", "std", "min", "max", "nan_count", "inf_count", "zero_frac", "dead_frac",
+                   "saturated_frac", "update_ratio"]  # the stored columns (store.STAT_COLUMNS); a test keeps them equal
+StatField = Annotated[StatName, Query(description="Statistic of each tensor.")]
 
 
 def _json(model: BaseModel) -> bytes:
@@ -87,12 +100,16 @@ def error_response(request: Request, err: ApiError) -> Response:
 
 
 def actor(request: Request) -> str:
-    who = request.headers.get("x-traindx-actor")
+    """Who asked, for the audit trail: a person who named themselves (the dashboard and the CLI send
+    'x-traindx-actor: <name>') is 'person:<name>'; anyone else is 'http:<address>'."""
+    who = "".join(c for c in (request.headers.get("x-traindx-actor") or "") if c.isprintable()).strip()
+    if who.startswith("person:"):
+        who = who[len("person:"):]
     host = request.client.host if request.client else "unknown"
-    return f"http:{who[:64]}" if who else f"http:{host}"
+    return f"person:{who[:64]}" if who else f"http:{host}"
 
 
-ERRORS = {s: {"model": Error} for s in (400, 401, 404, 406, 409, 413, 422)}
+ERRORS = {s: {"model": Error} for s in (400, 401, 403, 404, 406, 409, 413, 422, 500)}
 
 
 def build_router(services: Services) -> APIRouter:
@@ -106,8 +123,12 @@ def build_router(services: Services) -> APIRouter:
         if not secrets.compare_digest(got.encode(), f"Bearer {token}".encode()):
             raise ApiError(401, "unauthorized", "this route needs 'Authorization: Bearer <token>' (see TRAINDX_TOKEN)")
 
+    def browser_guard(request: Request) -> None:
+        check_browser_request(request.headers, services.settings.host)
+
     writer = [Depends(require_token)]
-    r = APIRouter(responses=ERRORS)
+    common = [Depends(browser_guard)]
+    r = APIRouter(responses=ERRORS, dependencies=common)
 
     @r.get("/health", response_model=Health, tags=["server"])
     def health(request: Request) -> Response:
@@ -118,6 +139,7 @@ def build_router(services: Services) -> APIRouter:
     @r.post("/v1/ingest", response_model=IngestReply, dependencies=writer, tags=["ingest"],
             summary="Store a probe's batch of events (idempotent by batch_id) and return pending fix commands")
     async def ingest_batch(request: Request) -> Response:
+        negotiate(request)  # refuse an unanswerable Accept before anything is stored
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise ApiError(413, "body_too_large", f"the body is {declared} bytes; the limit is {MAX_BODY_BYTES}")
@@ -128,11 +150,12 @@ def build_router(services: Services) -> APIRouter:
                 raise ApiError(413, "body_too_large", f"the body exceeds the limit of {MAX_BODY_BYTES} bytes")
         batch = parse_batch(bytes(body))
         reply = await anyio.to_thread.run_sync(ingest, store, services.engine, batch)
-        return Response(_json(reply), media_type="application/json")
+        return respond(request, reply)
 
-    @r.get("/v1/runs", response_model=RunList, tags=["runs"])
-    def runs(request: Request) -> Response:
-        return respond(request, queries.list_runs(store))
+    @r.get("/v1/runs", response_model=RunPage, tags=["runs"], summary="List runs, most recently active first")
+    def runs(request: Request, status: Literal["active", "ended", "stale"] | None = None, offset: Offset = 0,
+             limit: Limit = 50) -> Response:
+        return respond(request, queries.run_page(store, status=status, offset=offset, limit=limit))
 
     @r.get("/v1/runs/{run}", response_model=RunSummary, tags=["runs"])
     def run_summary(request: Request, run: str) -> Response:
@@ -140,11 +163,19 @@ def build_router(services: Services) -> APIRouter:
 
     @r.get("/v1/runs/{run}/anomalies", response_model=AnomalyPage, tags=["anomalies"])
     def anomalies(request: Request, run: str, kind: AnomalyKind | None = None, severity: Severity | None = None,
-                  status: AnomalyStatus | None = None, min_step: Annotated[int | None, Query(ge=0)] = None,
-                  max_step: Annotated[int | None, Query(ge=0)] = None, offset: Annotated[int, Query(ge=0)] = 0,
-                  limit: Annotated[int, Query(ge=1, le=queries.MAX_PAGE)] = 50) -> Response:
+                  status: AnomalyStatus | None = None, min_step: MinStep = None, max_step: MaxStep = None,
+                  offset: Offset = 0, limit: Limit = 50,
+                  min_step_time: Annotated[float | None, Query(
+                      ge=0, allow_inf_nan=False, description="Latency threshold in seconds: only anomalies during "
+                      "which a step took at least this long (sys/step_time_max).")] = None) -> Response:
         return respond(request, queries.anomalies(store, run, kind=kind, severity=severity, status=status,
-                                                  min_step=min_step, max_step=max_step, offset=offset, limit=limit))
+                                                  min_step=min_step, max_step=max_step, offset=offset, limit=limit,
+                                                  min_step_time=min_step_time))
+
+    @r.get("/v1/runs/{run}/anomalies/{anomaly_id}", response_model=Anomaly, tags=["anomalies"],
+           summary="One anomaly with its evidence")
+    def anomaly(request: Request, run: str, anomaly_id: str) -> Response:
+        return respond(request, queries.get_anomaly(store.read(), run, anomaly_id))
 
     @r.get("/v1/runs/{run}/diagnosis", response_model=Diagnosis, tags=["anomalies"])
     def diagnose(request: Request, run: str) -> Response:
@@ -155,10 +186,15 @@ def build_router(services: Services) -> APIRouter:
     def propose(request: Request, run: str, anomaly_id: str) -> Response:
         return respond(request, fixes.propose(store, run, anomaly_id, actor(request)))
 
-    @r.get("/v1/runs/{run}/fixes", response_model=FixList, tags=["fixes"])
-    def list_fixes(request: Request, run: str, status: FixStatus | None = None,
-                   anomaly_id: str | None = None) -> Response:
-        return respond(request, queries.fixes(store, run, status=status, anomaly_id=anomaly_id))
+    @r.get("/v1/runs/{run}/fixes", response_model=FixPage, tags=["fixes"])
+    def list_fixes(request: Request, run: str, status: FixStatus | None = None, anomaly_id: str | None = None,
+                   kind: Annotated[AnomalyKind | None, Query(description="Kind of the fix's anomaly.")] = None,
+                   severity: Annotated[Severity | None, Query(description="Severity of the fix's anomaly.")] = None,
+                   min_step: MinStep = None, max_step: MaxStep = None, offset: Offset = 0,
+                   limit: Limit = 50) -> Response:
+        return respond(request, queries.fix_page(store, run, status=status, anomaly_id=anomaly_id, kind=kind,
+                                              severity=severity, min_step=min_step, max_step=max_step,
+                                              offset=offset, limit=limit))
 
     @r.get("/v1/runs/{run}/fixes/{fix_id}", response_model=Fix, tags=["fixes"])
     def get_fix(request: Request, run: str, fix_id: str) -> Response:
@@ -172,16 +208,70 @@ def build_router(services: Services) -> APIRouter:
     def revert_fix(request: Request, run: str, fix_id: str) -> Response:
         return respond(request, fixes.revert(store, run, fix_id, actor(request)))
 
-    @r.get("/v1/runs/{run}/audit", response_model=AuditTrail, tags=["fixes"])
-    def audit(request: Request, run: str) -> Response:
-        return respond(request, queries.audit(store, run))
+    @r.get("/v1/runs/{run}/audit", response_model=AuditPage, tags=["fixes"],
+           summary="Who asked for what, when, with the job's before/after values")
+    def audit(request: Request, run: str, fix_id: str | None = None, offset: Offset = 0,
+              limit: Limit = 50) -> Response:
+        return respond(request, queries.audit_page(store, run, fix_id=fix_id, offset=offset, limit=limit))
 
-    @r.get("/v1/runs/{run}/series/{name:path}", response_model=Series, tags=["series"])
-    def series(request: Request, run: str, name: str, collection: str | None = None, field: str = "norm",
-               max_points: Annotated[int, Query(ge=2, le=10000)] = 500,
-               rank: Annotated[int | None, Query(ge=0)] = None) -> Response:
-        return respond(request, queries.series(store, run, name, collection=collection, field=field,
-                                               max_points=max_points, rank=rank))
+    @r.get("/v1/runs/{run}/history", response_model=RunHistory, tags=["runs"],
+           summary="The run's timeline: anomalies, fixes and verdicts on the step axis")
+    def history(request: Request, run: str, type: views.HistoryType | None = None, min_step: MinStep = None,
+                max_step: MaxStep = None, offset: Offset = 0, limit: Limit = 50) -> Response:
+        return respond(request, views.history(store, run, type=type, min_step=min_step, max_step=max_step,
+                                              offset=offset, limit=limit))
+
+    @r.get("/v1/runs/{run}/series/{name:path}", response_model=Series, tags=["series"],
+           summary="One metric over steps (a scalar, or a tensor's statistic with collection=)")
+    def series(request: Request, run: str, name: str,
+               collection: Annotated[Collection | None, Query(description="Read a tensor's statistic from this "
+                                                                          "collection; omit for a scalar.")] = None,
+               field: StatField = "norm",
+               min_step: MinStep = None, max_step: MaxStep = None, max_points: MaxPoints = 500,
+               rank: Annotated[int | None, Query(ge=0, le=1_000_000, description="One rank's points only.")] = None,
+               ) -> Response:
+        return respond(request, queries.series(store, run, name, collection=collection.value if collection else None,
+                                               field=field, max_points=max_points, min_step=min_step,
+                                               max_step=max_step, rank=rank))
+
+    @r.get("/v1/runs/{run}/scalars", response_model=SeriesSet, tags=["series"],
+           summary="Several scalar series for one chart: loss and user scalars, sys/ step times, memory")
+    def scalars(request: Request, run: str,
+                name: Annotated[list[str] | None, Query(description="Scalar names; repeat for several.")] = None,
+                prefix: Annotated[str | None, Query(description="Every scalar whose name starts with this, "
+                                                            "e.g. 'sys/'.")] = None,
+                min_step: MinStep = None, max_step: MaxStep = None, max_points: MaxPoints = 500) -> Response:
+        return respond(request, views.scalar_set(store, run, names=name, prefix=prefix, min_step=min_step,
+                                                 max_step=max_step, max_points=max_points))
+
+    @r.get("/v1/runs/{run}/stats", response_model=SeriesSet, tags=["series"],
+           summary="One statistic of each tensor of a collection, e.g. update ratios per layer")
+    def stats(request: Request, run: str, collection: Collection, field: StatField = "norm",
+              tensor: Annotated[list[str] | None, Query(description="Tensor names; default all.")] = None,
+              min_step: MinStep = None, max_step: MaxStep = None, max_points: MaxPoints = 500) -> Response:
+        return respond(request, views.stat_set(store, run, collection=collection.value, field=field, tensors=tensor,
+                                               min_step=min_step, max_step=max_step, max_points=max_points))
+
+    @r.get("/v1/runs/{run}/heatmap", response_model=Heatmap, tags=["series"],
+           summary="A tensors x steps matrix of one statistic (gradient norm per layer by default)")
+    def heatmap(request: Request, run: str, collection: Collection = Collection.gradients, field: StatField = "norm",
+                min_step: MinStep = None, max_step: MaxStep = None,
+                max_steps: Annotated[int, Query(ge=1, le=5000, description="Columns at most; neighbouring steps "
+                                                                           "share a column (its largest value).")] = 200,
+                ) -> Response:
+        return respond(request, views.heatmap(store, run, collection=collection.value, field=field,
+                                              min_step=min_step, max_step=max_step, max_steps=max_steps))
+
+    @r.get("/v1/runs/{run}/stream", tags=["runs"], response_class=Response,
+           summary="Server-sent events: an 'update' event each time the run's data changes",
+           responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                            "description": "A text/event-stream; each 'update' event's data is JSON with the "
+                                           "run's last_step, status, open anomalies and a change counter."}})
+    async def stream(request: Request, run: str) -> Response:
+        queries.require_run(store.read(), run)
+        from sse_starlette.sse import EventSourceResponse
+
+        return EventSourceResponse(run_updates(store.path, run), ping=15)
 
     @r.get("/v1/runs/{run}/compression", response_model=CompressionRecipe, tags=["compression"])
     def compression_recipe(request: Request, run: str,
@@ -206,7 +296,7 @@ def build_router(services: Services) -> APIRouter:
         return respond(request, compression.request_sensitivity(store, run, actor=actor(request)))
 
     from .distributed_api import build_router as distributed_routes
-    r.include_router(distributed_routes(services, writer))
+    r.routes.extend(distributed_routes(services, writer, common).routes)  # one flat router
     return r
 
 
@@ -219,6 +309,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def invalid(request: Request, err: RequestValidationError) -> Response:
         detail = [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors()[:20]]
         return error_response(request, ApiError(422, "invalid_request", "the request's parameters are invalid", detail))
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, err: Exception) -> Response:
+        import logging
+
+        logging.getLogger("traindx.http").exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(request, ApiError(500, "internal_error", f"the server failed on this request "
+                                                f"({type(err).__name__}); it keeps serving, and the log has the trace"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> Response:

@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 
 from schemas.enums import AnomalyKind, AnomalyStatus, FixStatus, Severity
-from schemas.records import (Anomaly, AnomalyPage, AuditEntry, AuditTrail, Fix, FixList, Run, RunList, RunSummary,
+from schemas.records import (Anomaly, AnomalyPage, AuditEntry, AuditPage, AuditTrail, Fix, FixList, FixPage, Run,
+                             RunList, RunPage, RunSummary,
                              Series, SeriesPoint)
 
 from .errors import ApiError
@@ -40,11 +41,33 @@ def require_run(conn: sqlite3.Connection, run: str) -> sqlite3.Row:
     return row
 
 
-def list_runs(store: Store) -> RunList:
+def check_page(offset: int, limit: int | None) -> None:
+    """The same paging rules on every list: ``offset >= 0``, ``1 <= limit <= MAX_PAGE`` (None: all)."""
+    if limit is not None and not 1 <= limit <= MAX_PAGE:
+        raise ApiError(422, "invalid_parameter", f"limit must be between 1 and {MAX_PAGE}, got {limit}")
+    if offset < 0:
+        raise ApiError(422, "invalid_parameter", f"offset must be >= 0, got {offset}")
+
+
+def next_offset(offset: int, returned: int, total: int) -> int | None:
+    nxt = offset + returned
+    return nxt if nxt < total else None
+
+
+def run_page(store: Store, *, status: str | None = None, offset: int = 0, limit: int | None = None) -> RunPage:
+    check_page(offset, limit)
     conn, now = store.read(), time.time()
     counts = dict(conn.execute("SELECT run, count(*) FROM anomalies WHERE status='open' GROUP BY run").fetchall())
     rows = conn.execute("SELECT * FROM runs ORDER BY last_seen DESC").fetchall()
-    return RunList(runs=[_run(r, counts.get(r["run"], 0), now) for r in rows])
+    runs = [_run(r, counts.get(r["run"], 0), now) for r in rows]
+    if status is not None:  # active/stale is computed from last_seen, so it filters here rather than in SQL
+        runs = [r for r in runs if r.status == status]
+    page = runs[offset:None if limit is None else offset + limit]
+    return RunPage(runs=page, total=len(runs), offset=offset, next_offset=next_offset(offset, len(page), len(runs)))
+
+
+def list_runs(store: Store) -> RunList:
+    return RunList(runs=run_page(store).runs)
 
 
 def run_summary(store: Store, run: str) -> RunSummary:
@@ -70,14 +93,17 @@ def _anomaly(r: sqlite3.Row) -> Anomaly:
 
 def anomalies(store: Store, run: str, *, kind: AnomalyKind | None = None, severity: Severity | None = None,
               status: AnomalyStatus | None = None, min_step: int | None = None, max_step: int | None = None,
-              offset: int = 0, limit: int = 50) -> AnomalyPage:
+              offset: int = 0, limit: int = 50, min_step_time: float | None = None) -> AnomalyPage:
     conn = store.read()
     require_run(conn, run)
-    if not 1 <= limit <= MAX_PAGE:
-        raise ApiError(422, "invalid_parameter", f"limit must be between 1 and {MAX_PAGE}, got {limit}")
-    if offset < 0:
-        raise ApiError(422, "invalid_parameter", f"offset must be >= 0, got {offset}")
+    check_page(offset, limit)
     where, args = ["run=?"], [run]
+    if min_step_time is not None:
+        # A latency threshold: the slowest step of a sampling interval ('sys/step_time_max', reported at
+        # the interval's last step) reached it while the anomaly held.
+        where.append("EXISTS (SELECT 1 FROM scalars s WHERE s.run=anomalies.run AND s.name='sys/step_time_max' "
+                     "AND s.value>=? AND s.step>=anomalies.first_step AND s.step<=anomalies.last_step+?)")
+        args.extend([min_step_time, _interval(conn, run)])
     for col, value in (("kind", kind), ("severity", severity), ("status", status)):
         if value is not None:
             where.append(f"{col}=?")
@@ -127,26 +153,62 @@ def get_fix(conn: sqlite3.Connection, run: str, fix_id: str) -> Fix:
 
 
 def fixes(store: Store, run: str, *, status: FixStatus | None = None, anomaly_id: str | None = None) -> FixList:
+    page = fix_page(store, run, status=status, anomaly_id=anomaly_id)
+    return FixList(run=run, fixes=page.fixes)
+
+
+def fix_page(store: Store, run: str, *, status: FixStatus | None = None, anomaly_id: str | None = None,
+             kind: AnomalyKind | None = None, severity: Severity | None = None, min_step: int | None = None,
+             max_step: int | None = None, offset: int = 0, limit: int | None = None) -> FixPage:
+    """The run's fixes in the order they were proposed. ``kind``, ``severity`` and the step range filter on
+    the anomaly each fix is for, with the same meaning as in ``anomalies``."""
     conn = store.read()
     require_run(conn, run)
-    where, args = ["run=?"], [run]
-    if status is not None:
-        where.append("status=?")
-        args.append(status.value)
+    check_page(offset, limit)
+    where, args = ["f.run=?"], [run]
+    for col, value in (("f.status", status), ("a.kind", kind), ("a.severity", severity)):
+        if value is not None:
+            where.append(f"{col}=?")
+            args.append(value.value)
     if anomaly_id is not None:
-        where.append("anomaly_id=?")
+        where.append("f.anomaly_id=?")
         args.append(anomaly_id)
-    rows = conn.execute(f"SELECT * FROM fixes WHERE {' AND '.join(where)} ORDER BY seq", args).fetchall()
-    return FixList(run=run, fixes=[fix_from_row(r) for r in rows])
+    if min_step is not None:
+        where.append("a.last_step>=?")
+        args.append(min_step)
+    if max_step is not None:
+        where.append("a.first_step<=?")
+        args.append(max_step)
+    frm = f"FROM fixes f LEFT JOIN anomalies a ON a.id=f.anomaly_id WHERE {' AND '.join(where)}"
+    total = conn.execute(f"SELECT count(*) {frm}", args).fetchone()[0]
+    rows = conn.execute(f"SELECT f.* {frm} ORDER BY f.seq LIMIT ? OFFSET ?",
+                        [*args, -1 if limit is None else limit, offset]).fetchall()
+    return FixPage(run=run, fixes=[fix_from_row(r) for r in rows], total=total, offset=offset,
+                   next_offset=next_offset(offset, len(rows), total))
 
 
 def audit(store: Store, run: str) -> AuditTrail:
+    return AuditTrail(run=run, entries=audit_page(store, run).entries)
+
+
+def audit_page(store: Store, run: str, *, fix_id: str | None = None, offset: int = 0,
+               limit: int | None = None) -> AuditPage:
     conn = store.read()
     require_run(conn, run)
-    rows = conn.execute("SELECT * FROM audit WHERE run=? ORDER BY time, rowid", (run,)).fetchall()
-    return AuditTrail(run=run, entries=[AuditEntry(run=r["run"], time=r["time"], actor=r["actor"], action=r["action"],
+    check_page(offset, limit)
+    where, args = "run=?" + (" AND fix_id=?" if fix_id is not None else ""), [run] + ([fix_id] if fix_id is not None else [])
+    total = conn.execute(f"SELECT count(*) FROM audit WHERE {where}", args).fetchone()[0]
+    rows = conn.execute(f"SELECT * FROM audit WHERE {where} ORDER BY time, rowid LIMIT ? OFFSET ?",
+                        [*args, -1 if limit is None else limit, offset]).fetchall()
+    return AuditPage(run=run, entries=[AuditEntry(run=r["run"], time=r["time"], actor=r["actor"], action=r["action"],
                                                    fix_id=r["fix_id"], detail=_clean(_json(r["detail"], {})))
-                                        for r in rows])
+                                        for r in rows],
+                      total=total, offset=offset, next_offset=next_offset(offset, len(rows), total))
+
+
+def _interval(conn: sqlite3.Connection, run: str) -> int:
+    start = _json(require_run(conn, run)["start"], {})
+    return int(start.get("config", {}).get("interval") or 50)
 
 
 def _clean(detail: dict) -> dict:
@@ -162,23 +224,26 @@ def _clean(detail: dict) -> dict:
 
 
 def series(store: Store, run: str, name: str, *, max_points: int = 500, collection: str | None = None,
-           field: str = "norm", rank: int | None = None) -> Series:
-    """A scalar series (``loss``, ``sys/step_time``, ...) or, with ``collection``, one tensor's statistic.
+           field: str = "norm", min_step: int | None = None, max_step: int | None = None,
+           rank: int | None = None) -> Series:
+    """A scalar series (``loss``, ``sys/step_time``, ...) or, with ``collection``, one tensor's statistic,
+    within the step range, downsampled to at most ``max_points`` keeping each bucket's min and max.
     In a distributed run every rank's points are returned unless ``rank`` picks one."""
+    from .downsample import min_max_query
+
     conn = store.read()
     require_run(conn, run)
-    only = "" if rank is None else f" AND rank={int(rank)}"
+    if max_points < 2:
+        raise ApiError(422, "invalid_parameter", f"max_points must be >= 2, got {max_points}")
+    lo, hi = (0 if min_step is None else min_step), (2**63 - 1 if max_step is None else max_step)
+    only, extra = ("", ()) if rank is None else (" AND rank=?", (int(rank),))
     if collection is None:
-        rows = conn.execute(f"SELECT step, value FROM scalars WHERE run=? AND name=?{only} ORDER BY step",
-                            (run, name)).fetchall()
+        kept, total = min_max_query(conn, "scalars", "value", "run=? AND name=? AND step BETWEEN ? AND ?" + only,
+                                    (run, name, lo, hi, *extra), max_points)
     else:
         if field not in STAT_COLUMNS:
             raise ApiError(422, "invalid_parameter", f"field must be one of {', '.join(STAT_COLUMNS)}")
-        rows = conn.execute(f"SELECT step, {field} FROM stats WHERE run=? AND collection=? AND tensor=?{only} "
-                            "ORDER BY step", (run, collection, name)).fetchall()
-    points = [SeriesPoint(step=r[0], value=r[1]) for r in rows]
-    downsampled = len(points) > max_points
-    if downsampled:
-        stride = -(-len(points) // max_points)
-        points = points[::stride]
-    return Series(run=run, name=name, points=points, downsampled=downsampled)
+        kept, total = min_max_query(conn, "stats", field, "run=? AND collection=? AND tensor=? AND step BETWEEN ? AND ?" + only,
+                                    (run, collection, name, lo, hi, *extra), max_points)
+    return Series(run=run, name=name, points=[SeriesPoint(step=s, value=v) for s, v in kept],
+                  downsampled=len(kept) < total)

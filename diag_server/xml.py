@@ -9,6 +9,7 @@ field as a repeated element, other lists as ``<item>`` children, dicts as ``<ent
 from __future__ import annotations
 
 import json
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,15 @@ def to_xml(model: BaseModel) -> bytes:
     return etree.tostring(root, xml_declaration=True, encoding="UTF-8", pretty_print=True)
 
 
+# Characters XML 1.0 cannot carry at all, even escaped (control characters, lone surrogates). They reach
+# records from what clients send (an error message quoting a bad key); they are shown as U+FFFD.
+_NOT_XML = re.compile("[^\t\n\r\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
 def _text(value: Any) -> str:
-    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return _NOT_XML.sub("\ufffd", str(value))
 
 
 def _field(parent: etree._Element, name: str, node: dict[str, Any], value: Any, where: str) -> None:
@@ -81,7 +89,7 @@ def _fill(el: etree._Element, node: dict[str, Any], value: Any, where: str) -> N
     elif kind == "dict":
         _, value_node = export.dict_parts(node, where)
         for key, item in value.items():
-            _fill(etree.SubElement(el, "entry", key=key), value_node, item, f"{where}.entry")
+            _fill(etree.SubElement(el, "entry", key=_text(key)), value_node, item, f"{where}.entry")
     elif kind == "array" or (kind == "mixed" and isinstance(value, list)):
         items = node["items"] if kind == "array" else export.mixed_items(node, defs)
         for item in value:

@@ -116,6 +116,77 @@ class Series(_Record):
     downsampled: bool = False
 
 
+class RunPage(_Record):
+    """One page of runs (GET /v1/runs): paging and filters as on every list."""
+
+    runs: list[Run]
+    total: int = Field(description="Matching runs, before paging.")
+    offset: int = 0
+    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
+
+
+class FixPage(_Record):
+    """One page of a run's fixes (GET /v1/runs/{run}/fixes)."""
+
+    run: RunId
+    fixes: list[Fix]
+    total: int = Field(description="Matching fixes, before paging.")
+    offset: int = 0
+    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
+
+
+class AuditPage(_Record):
+    """One page of a run's audit trail (GET /v1/runs/{run}/audit)."""
+
+    run: RunId
+    entries: list[AuditEntry]
+    total: int = Field(description="Matching entries, before paging.")
+    offset: int = 0
+    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
+
+
+class SeriesSet(_Record):
+    """Several series of one run on one step axis: what one chart draws."""
+
+    run: RunId
+    series: list[Series]
+
+
+class Heatmap(_Record):
+    """One statistic of many tensors over steps: ``values[i][j]`` is tensor ``tensors[i]`` in the step
+    bucket that starts at ``steps[j]`` (the bucket's largest value, so a spike survives downsampling)."""
+
+    run: RunId
+    collection: str
+    field: str
+    tensors: list[str]
+    steps: list[int]
+    values: list[list[Number]]
+    downsampled: bool = False
+
+
+class HistoryEntry(_Record):
+    """One mark on the run's timeline: an anomaly began or cleared, a fix was proposed, applied, judged."""
+
+    step: int = Field(ge=0)
+    time: Time
+    type: Literal["anomaly", "resolved", "fix", "verdict"]
+    ref: str = Field(description="The anomaly id ('a-3') or fix id ('f-5') it is about.")
+    label: str = Field(description="A short text for a person, e.g. 'exploding_gradient (critical)'.")
+    status: str | None = Field(None, description="The anomaly's severity, or the fix's status at that mark.")
+    actor: str | None = Field(None, description="Who asked, for fix marks.")
+
+
+class RunHistory(_Record):
+    """The run's anomalies, fixes and their verdicts on the step axis, oldest first."""
+
+    run: RunId
+    entries: list[HistoryEntry]
+    total: int = Field(description="Matching entries, before paging.")
+    offset: int = 0
+    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
+
+
 class LayerRecipe(_Record):
     name: str = Field(description="Parameter tensor name.")
     numel: int

@@ -86,3 +86,33 @@ def session_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     srv.start()
     yield srv
     srv.stop()
+
+
+# -- one server for the people-facing tests (HTTP API, CLI, client, dashboard, fuzz) ------------------
+PEOPLE_TOKEN = "people-token-for-tests"
+PEOPLE_RUN = "api-run"
+
+
+@pytest.fixture(scope="session")
+def people_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with a bearer token, holding PEOPLE_RUN: a real training run (sampled every step, so what
+    the rules see is deterministic) whose learning rate was raised 25x (exploding gradients) and whose
+    loss then went NaN, and which has ended, with fixes proposed by person:ana for its exploding_gradient
+    anomaly. Tests that need a live job start their own LiveRun on it under another run id. (It has a
+    token, unlike session_server, so that the tests also prove that the CLI, client and page send it.)"""
+    from scripts.live_run import LiveRun
+
+    srv = make_server(tmp_path_factory.mktemp("people"), "--token", PEOPLE_TOKEN)
+    srv.start()
+    job = LiveRun(srv.url, PEOPLE_RUN, interval=1, step_sleep=0.001, token=PEOPLE_TOKEN).start()
+    job.wait_steps(120)
+    job.inject("lr_spike", factor=25.0)
+    job.wait_steps(20)
+    job.inject("nan", steps=5)
+    job.wait_steps(20)
+    job.stop()
+    first = httpx.get(f"{srv.url}/v1/runs/{PEOPLE_RUN}/anomalies?kind=exploding_gradient").json()["anomalies"][0]["id"]
+    httpx.post(f"{srv.url}/v1/runs/{PEOPLE_RUN}/anomalies/{first}/propose",
+               headers={"x-traindx-actor": "ana", "authorization": f"Bearer {PEOPLE_TOKEN}"}).raise_for_status()
+    yield srv
+    srv.stop()

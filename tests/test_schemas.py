@@ -126,6 +126,18 @@ SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
     SPAN, SPANS, OP, SHAPE, CAPTURE_RESULT, CAPTURE_COMMAND, RANK_INFO, TIMELINE_SPAN, OP_SUMMARY, SHAPE_INFO,
     CAPTURE_RANK, CAPTURE, CaptureList(run="ddp-1", captures=[CAPTURE]),
     Timeline(run="ddp-1", ranks=[RANK_INFO], spans=[TIMELINE_SPAN], truncated=True),
+    records.RunPage(runs=[RUN], total=3, offset=0, next_offset=1),
+    records.FixPage(run="mnist-1", fixes=[FIX], total=1),
+    records.AuditPage(run="mnist-1", entries=[AUDIT], total=5, offset=4),
+    records.SeriesSet(run="mnist-1", series=[Series(run="mnist-1", name="sys/forward",
+                                                    points=[SeriesPoint(step=0, value=0.01)])]),
+    records.Heatmap(run="mnist-1", collection="gradients", field="norm", tensors=["fc1.weight", "fc2.weight"],
+                    steps=[0, 50], values=[[0.5, None], [0.1, 0.2]], downsampled=True),
+    records.HistoryEntry(step=40, time=1.7e9, type="anomaly", ref="a-1", label="exploding_gradient", status="critical"),
+    records.RunHistory(run="mnist-1", total=2, next_offset=None, entries=[
+        records.HistoryEntry(step=40, time=1.7e9, type="anomaly", ref="a-1", label="exploding_gradient"),
+        records.HistoryEntry(step=52, time=1.7e9, type="fix", ref="f-1", label="grad_clip applied", status="applied",
+                             actor="person:ana")]),
 ]}
 
 XML_PARSER = etree.XMLParser(resolve_entities=False, no_network=True)

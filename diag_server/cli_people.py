@@ -1,0 +1,183 @@
+"""Reading commands for people at a terminal: ``traindx runs``, ``anomalies RUN``, ``diagnose RUN``,
+``fixes RUN`` (and ``propose``/``apply``/``revert`` to act). They talk to a running server over HTTP, like
+the dashboard and the Python client, and print readable tables, or the server's own JSON/XML for scripts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from typing import Any, Callable, Sequence
+
+import click
+
+from .client import DEFAULT_SERVER, Client, TraindxError
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(getattr(value, "value", value))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, wrap_last: bool = True) -> str:
+    """Columns padded to their widest cell; the last column is cut to fit the terminal."""
+    cells = [[_fmt(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    room = shutil.get_terminal_size((120, 20)).columns - sum(w + 2 for w in widths[:-1])
+    if wrap_last and widths:
+        widths[-1] = max(min(widths[-1], room), len(headers[-1]), 20)
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+           "  ".join("-" * w for w in widths)]
+    for r in cells:
+        last = r[-1] if len(r[-1]) <= widths[-1] else r[-1][: widths[-1] - 1] + "…"
+        out.append("  ".join([c.ljust(w) for c, w in zip(r[:-1], widths)] + [last]).rstrip())
+    return "\n".join(out)
+
+
+def _options(f: Callable) -> Callable:
+    f = click.option("--server", default=lambda: os.environ.get("TRAINDX_SERVER", DEFAULT_SERVER),
+                     show_default="$TRAINDX_SERVER or " + DEFAULT_SERVER, help="The traindx server to ask.")(f)
+    f = click.option("--json", "fmt", flag_value="json", help="Print the server's JSON.")(f)
+    f = click.option("--xml", "fmt", flag_value="xml", help="Print the server's XML (valid against the XSD).")(f)
+    return f
+
+
+class _Cmd:
+    """One command's connection: tables through the typed client, --json/--xml straight from the server."""
+
+    def __init__(self, server: str, fmt: str | None) -> None:
+        self.client = Client(server)  # the token comes from $TRAINDX_TOKEN, the actor from $USER
+        self.fmt = fmt
+        self.server = server
+
+    def run(self, path: str, show: Callable[[], str], method: str = "GET", **params: Any) -> None:
+        try:
+            if self.fmt:
+                sys.stdout.buffer.write(self.client.raw(method, path, format=self.fmt, **params))
+                if self.fmt == "json":
+                    sys.stdout.write("\n")
+            else:
+                click.echo(show())
+        except TraindxError as e:
+            raise click.ClickException(f"{e.error.error}: {e.error.message}") from None
+        except Exception as e:  # noqa: BLE001 - httpx transport errors: say what to do
+            if type(e).__module__.startswith("httpx"):
+                raise click.ClickException(f"cannot reach the traindx server at {self.server} ({e}); start one "
+                                           "with `traindx serve` or pass --server / set TRAINDX_SERVER") from None
+            raise
+        finally:
+            self.client.close()
+
+
+def register(main: click.Group) -> None:
+    @main.command()
+    @click.option("--status", type=click.Choice(["active", "ended", "stale"]), help="Only runs in this state.")
+    @_options
+    def runs(status: str | None, server: str, fmt: str | None) -> None:
+        """List runs, most recently active first."""
+        c = _Cmd(server, fmt)
+
+        def show() -> str:
+            rs = c.client.runs(status=status)
+            if not rs:
+                return "no runs yet"
+            return table(["RUN", "STATUS", "STEP", "OPEN", "DEVICE", "PARAMS"],
+                         [[r.run, r.status, r.last_step, r.open_anomalies, r.device, r.total_params] for r in rs])
+
+        c.run("/v1/runs", show, status=status, limit=500)
+
+    @main.command()
+    @click.argument("run")
+    @click.option("--kind", help="Only this anomaly kind, e.g. exploding_gradient.")
+    @click.option("--severity", type=click.Choice(["info", "warning", "critical"]))
+    @click.option("--status", type=click.Choice(["open", "resolved"]))
+    @click.option("--min-step", type=int, help="Only anomalies still holding at or after this step.")
+    @click.option("--max-step", type=int, help="Only anomalies that began at or before this step.")
+    @click.option("--min-step-time", type=float, help="Only anomalies during which a step took this many seconds.")
+    @click.option("--limit", type=int, default=50, show_default=True)
+    @_options
+    def anomalies(run: str, kind: str | None, severity: str | None, status: str | None, min_step: int | None,
+                  max_step: int | None, min_step_time: float | None, limit: int, server: str, fmt: str | None) -> None:
+        """A run's anomalies, open and critical first."""
+        c = _Cmd(server, fmt)
+        filters = dict(kind=kind, severity=severity, status=status, min_step=min_step, max_step=max_step,
+                       min_step_time=min_step_time)
+
+        def show() -> str:
+            items = c.client.anomalies(run, limit=limit, **filters)
+            if not items:
+                return f"no anomalies in {run}" + (" matching the filters" if any(filters.values()) else "")
+            return table(["ID", "KIND", "SEVERITY", "STATUS", "STEPS", "MESSAGE"],
+                         [[a.id, a.kind, a.severity, a.status, f"{a.first_step}-{a.last_step}", a.message]
+                          for a in items])
+
+        c.run(f"/v1/runs/{run}/anomalies", show, limit=limit, **filters)
+
+    @main.command()
+    @click.argument("run")
+    @_options
+    def diagnose(run: str, server: str, fmt: str | None) -> None:
+        """The probable root causes of what went wrong in a run, as a report."""
+        c = _Cmd(server, fmt)
+
+        def show() -> str:
+            d = c.client.diagnosis(run)
+            if not d.causes:
+                return d.report or d.summary
+            causes = table(["ANOMALY", "KIND", "STEP", "TENSOR", "EXPLAINS", "EXPLANATION"],
+                           [[x.anomaly_id, x.kind, x.step, x.tensor, ", ".join(x.consequences) or "-", x.explanation]
+                            for x in d.causes])
+            return f"{d.summary}\n\n{causes}\n\n{d.report}"
+
+        c.run(f"/v1/runs/{run}/diagnosis", show)
+
+    @main.command()
+    @click.argument("run")
+    @click.option("--status", help="Only fixes in this state (proposed, pending, applied, effective, ...).")
+    @click.option("--anomaly", "anomaly_id", help="Only fixes for this anomaly id.")
+    @_options
+    def fixes(run: str, status: str | None, anomaly_id: str | None, server: str, fmt: str | None) -> None:
+        """A run's fixes: what was proposed, applied, and how it went."""
+        c = _Cmd(server, fmt)
+
+        def show() -> str:
+            fs = c.client.fixes(run, status=status, anomaly_id=anomaly_id)
+            if not fs:
+                return f"no fixes in {run} yet; propose some with `traindx propose {run} ANOMALY_ID`"
+            return table(["ID", "ANOMALY", "ACTION", "PARAMS", "STATUS", "BY", "REASON"],
+                         [[f.id, f.anomaly_id, f.action, " ".join(f"{k}={_fmt(v)}" for k, v in f.params.items()),
+                           f.status, f.requested_by, f.reason or f.rationale] for f in fs])
+
+        c.run(f"/v1/runs/{run}/fixes", show, status=status, anomaly_id=anomaly_id, limit=500)
+
+    def _fix_table(fs: list) -> str:
+        return table(["ID", "ACTION", "PARAMS", "STATUS", "RATIONALE"],
+                     [[f.id, f.action, " ".join(f"{k}={_fmt(v)}" for k, v in f.params.items()), f.status,
+                       f.reason or f.rationale] for f in fs])
+
+    @main.command()
+    @click.argument("run")
+    @click.argument("anomaly_id")
+    @_options
+    def propose(run: str, anomaly_id: str, server: str, fmt: str | None) -> None:
+        """Propose fixes for one anomaly, best first."""
+        c = _Cmd(server, fmt)
+        c.run(f"/v1/runs/{run}/anomalies/{anomaly_id}/propose", lambda: _fix_table(c.client.propose(run, anomaly_id)),
+              method="POST")
+
+    for op in ("apply", "revert"):
+        def make(op: str) -> None:
+            @main.command(op, help=f"{op.capitalize()} a fix in the live job (recorded as person:$USER).")
+            @click.argument("run")
+            @click.argument("fix_id")
+            @_options
+            def command(run: str, fix_id: str, server: str, fmt: str | None) -> None:
+                c = _Cmd(server, fmt)
+                call = c.client.apply if op == "apply" else c.client.revert
+                c.run(f"/v1/runs/{run}/fixes/{fix_id}/{op}", lambda: _fix_table([call(run, fix_id)]), method="POST")
+
+        make(op)

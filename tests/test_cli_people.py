@@ -1,0 +1,84 @@
+"""`traindx runs / anomalies / diagnose / fixes / propose / apply` against a real server over HTTP:
+readable tables by default, the server's JSON and XML with --json / --xml, the token sent when set."""
+
+from __future__ import annotations
+
+
+import orjson
+import pytest
+from click.testing import CliRunner
+from lxml import etree
+
+from tests.conftest import PEOPLE_RUN, PEOPLE_TOKEN, ServerProcess
+from diag_server.cli import main
+from diag_server.cli_people import table
+from diag_server.xml import xsd_schema
+
+RUN = PEOPLE_RUN
+TOKEN = PEOPLE_TOKEN
+
+
+@pytest.fixture
+def srv(people_server: ServerProcess) -> ServerProcess:
+    return people_server
+
+
+def cli(srv: ServerProcess, *args: str, token: str | None = TOKEN) -> tuple[int, str]:
+    env = {"TRAINDX_SERVER": srv.url, "TRAINDX_TOKEN": token or "", "USER": "cli-user"}
+    res = CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+    return res.exit_code, res.output
+
+
+def test_tables_for_people(srv: ServerProcess) -> None:
+    code, out = cli(srv, "runs")
+    assert code == 0 and out.splitlines()[0].split() == ["RUN", "STATUS", "STEP", "OPEN", "DEVICE", "PARAMS"]
+    assert RUN in out and "ended" in out
+    code, out = cli(srv, "anomalies", RUN)
+    assert code == 0 and "exploding_gradient" in out and "nonfinite" in out and out.startswith("ID")
+    code, out = cli(srv, "anomalies", RUN, "--kind", "nonfinite")
+    assert code == 0 and "exploding_gradient" not in out
+    code, out = cli(srv, "anomalies", RUN, "--severity", "info")
+    assert code == 0 and f"no anomalies in {RUN} matching the filters" in out
+    code, out = cli(srv, "diagnose", RUN)
+    assert code == 0 and "Diagnosis of run" in out and "exploding_gradient" in out
+    code, out = cli(srv, "fixes", RUN, "--status", "pending")
+    assert code == 0 and "no fixes" in out
+    code, out = cli(srv, "fixes", RUN)
+    assert code == 0 and "person:ana" in out
+
+
+def test_json_and_xml_for_scripts(srv: ServerProcess) -> None:
+    code, out = cli(srv, "anomalies", RUN, "--json")
+    page = orjson.loads(out)
+    assert code == 0 and page["run"] == RUN and page["total"] == len(page["anomalies"]) >= 2
+    code, out = cli(srv, "runs", "--xml")
+    doc = etree.fromstring(out.encode())
+    assert code == 0 and doc.tag == "RunPage" and xsd_schema().validate(doc)
+    code, out = cli(srv, "diagnose", RUN, "--xml")
+    assert code == 0 and etree.fromstring(out.encode()).tag == "Diagnosis"
+
+
+def test_writes_send_the_token_and_name_the_person(srv: ServerProcess) -> None:
+    code, out = cli(srv, "anomalies", RUN, "--kind", "nonfinite", "--json")
+    anomaly = orjson.loads(out)["anomalies"][0]["id"]
+    code, out = cli(srv, "propose", RUN, anomaly, token=None)
+    assert code == 1 and "unauthorized" in out
+    code, out = cli(srv, "propose", RUN, anomaly)
+    assert code == 0 and "proposed" in out
+    code, out = cli(srv, "fixes", RUN, "--anomaly", anomaly, "--json")
+    fixes = orjson.loads(out)["fixes"]
+    assert fixes and {f["requested_by"] for f in fixes} == {"person:cli-user"}
+    code, out = cli(srv, "apply", RUN, fixes[0]["id"])  # the job has ended: refused, and it says why
+    assert code == 1 and "job_unavailable" in out
+
+
+def test_errors_say_what_to_do(srv: ServerProcess) -> None:
+    code, out = cli(srv, "anomalies", "no-such-run")
+    assert code == 1 and "unknown_run" in out and RUN in out
+    res = CliRunner().invoke(main, ["runs"], env={"TRAINDX_SERVER": "http://127.0.0.1:9"})
+    assert res.exit_code == 1 and "cannot reach the traindx server" in res.output
+
+
+def test_table_pads_columns() -> None:
+    text = table(["A", "LONGER"], [["x", "1"], ["yyy", None]])
+    assert text.splitlines() == ["A    LONGER", "---  --------------------", "x    1", "yyy  -"]

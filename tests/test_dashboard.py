@@ -1,0 +1,152 @@
+"""The dashboard in a real headless browser (Debian's chromium, driven by Playwright), against a live
+server fed by a real training run: the charts draw data, a new anomaly shows up without a reload, the
+filters filter, and a fix applied from the page reaches the job, which acknowledges it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import PEOPLE_TOKEN, ServerProcess
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+RUN = "dash-run"
+WAIT_MS = 45_000  # generous: the CI machine is shared; nothing here asserts how long anything took
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is not installed "
+                                "(apt-get install chromium)")
+sync_api = pytest.importorskip("playwright.sync_api")
+
+
+@pytest.fixture(scope="module")
+def live(people_server: ServerProcess) -> Iterator[tuple[ServerProcess, object]]:
+    from scripts.live_run import LiveRun
+
+    job = LiveRun(people_server.url, RUN, interval=5, step_sleep=0.005, token=PEOPLE_TOKEN).start()
+    job.wait_steps(80)
+    yield people_server, job
+    job.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+def test_run_list_shows_the_run_and_links_to_its_page(live, browser) -> None:
+    srv, _ = live
+    page = browser.new_page()
+    page.goto(srv.url + "/")
+    row = page.locator(f"#runs tr[data-run='{RUN}']")
+    row.wait_for(timeout=WAIT_MS)
+    assert "active" in row.inner_text()
+    row.locator("a").click()
+    page.wait_for_url(f"**/runs/{RUN}")
+    page.close()
+
+
+def count(page, selector: str) -> int:
+    return page.locator(selector).count()
+
+
+def test_live_run_page_charts_anomalies_filters_and_a_fix_from_the_page(live, browser) -> None:
+    srv, job = live
+    page = browser.new_page(viewport={"width": 1300, "height": 1400})
+    # The server has a token: a person pastes it once in the token box; the page keeps it in localStorage.
+    page.add_init_script(f"localStorage.setItem('traindx.token', '{PEOPLE_TOKEN}')")
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{srv.url}/runs/{RUN}")
+
+    # Charts draw real data: loss and scalars, the per-layer heat map, update ratios, step time, memory.
+    for target, attr in (("#chart-loss", "points"), ("#chart-updates", "series"), ("#chart-time", "series"),
+                         ("#chart-memory", "points"), ("#chart-heat", "rows")):
+        page.wait_for_function(f"Number(document.querySelector('{target}').dataset.{attr} || 0) > 0", timeout=WAIT_MS)
+    assert page.locator("#chart-loss canvas").count() >= 1
+    layers = page.evaluate("document.querySelector('#chart-heat').dataset.rows")
+    assert int(layers) == 6  # three Linear layers: weight and bias each
+    painted = page.evaluate("""(() => { const c = document.querySelector('#chart-heat canvas');
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; })()""")
+    assert painted > 1000
+    time_series = page.evaluate("traindx.charts.time.series.slice(1).map(s => s.label)")
+    assert {"sys/data_wait", "sys/forward", "sys/backward", "sys/optimizer"} <= set(time_series)
+    assert count(page, "#anomalies tbody tr[data-kind='nonfinite']") == 0
+
+    # The job breaks; the anomaly appears on the page that is already open (no reload).
+    page.evaluate("window.__sameDocument = true")
+    job.inject("nan", steps=10)
+    page.locator("#anomalies tbody tr[data-kind='nonfinite']").first.wait_for(timeout=WAIT_MS)
+    assert page.evaluate("window.__sameDocument") is True
+    page.locator("#timeline-list li[data-type='anomaly']").first.wait_for(timeout=WAIT_MS)
+    assert page.evaluate("traindx.updates") >= 2  # it came over the event stream
+
+    # Filters: kind, severity, status and the step-time threshold narrow the list, and clearing restores it.
+    def rows() -> int:
+        page.wait_for_timeout(50)
+        return count(page, "#anomalies tbody tr")
+
+    def settle(expect) -> None:
+        page.wait_for_function(f"(() => {{ const n = document.querySelectorAll('#anomalies tbody tr').length; "
+                               f"return {expect}; }})()", timeout=WAIT_MS)
+
+    page.select_option("#f-kind", "nonfinite")
+    settle("n >= 1 && [...document.querySelectorAll('#anomalies tbody tr')].every(r => r.dataset.kind === 'nonfinite')")
+    page.select_option("#f-severity", "info")
+    settle("n === 0")
+    page.select_option("#f-severity", "critical")
+    settle("n >= 1")
+    page.fill("#f-latency", "1000000000")  # ms: no step took that long
+    settle("n === 0")
+    page.fill("#f-latency", "0")
+    settle("n >= 1")
+    page.fill("#f-latency", "")
+    page.select_option("#f-kind", "exploding_gradient")
+    settle("[...document.querySelectorAll('#anomalies tbody tr')].every(r => r.dataset.kind === 'exploding_gradient')")
+    page.select_option("#f-kind", "")
+    page.select_option("#f-severity", "")
+    settle("n >= 1")
+    assert rows() >= 1
+
+    # Open the anomaly: evidence, diagnosis, proposals; apply one as a person; the job acknowledges it.
+    page.fill("#actor", "tester")
+    page.dispatch_event("#actor", "change")
+    page.locator("#anomalies tbody tr[data-kind='nonfinite']").first.click()
+    page.locator("#detail .kv").wait_for(timeout=WAIT_MS)
+    assert "nonfinite" in page.inner_text("#detail h2")
+    assert page.inner_text("#detail .diagnosis").strip()
+    page.locator("#detail button.propose").click()
+    skip = page.locator("#fixes tr", has_text="skip_nonfinite")
+    skip.first.wait_for(timeout=WAIT_MS)
+    fix_id = skip.first.get_attribute("data-fix")
+    page.locator(f"#fixes tr[data-fix='{fix_id}'] button.apply").click()
+    page.wait_for_function(
+        f"['applied', 'effective', 'ineffective'].includes(document.querySelector(\"#fixes tr[data-fix='{fix_id}']\")"
+        "?.dataset.status)", timeout=WAIT_MS)
+    page.locator(f"#timeline-list li[data-type='fix'][data-ref='{fix_id}']").first.wait_for(timeout=WAIT_MS)
+
+    trail = httpx.get(f"{srv.url}/v1/runs/{RUN}/audit?fix_id={fix_id}").json()["entries"]
+    asked = [e for e in trail if e["action"] == "apply_requested"]
+    acked = [e for e in trail if e["actor"] == "job" and e["action"] == "applied"]
+    assert asked and asked[0]["actor"] == "person:tester"
+    assert acked, "the job never acknowledged the fix"
+    assert errors == []
+    page.close()
+
+
+def test_pages_refuse_a_foreign_origin(live) -> None:
+    srv, _ = live
+    res = httpx.get(srv.url + "/", headers={"host": "attacker.example"})
+    assert res.status_code == 403 and res.json()["error"] == "forbidden_host"
+    res = httpx.post(f"{srv.url}/v1/runs/{RUN}/fixes/f-1/apply", headers={"origin": "http://attacker.example"})
+    assert res.status_code == 403 and res.json()["error"] == "forbidden_origin"
+    assert httpx.get(srv.url + "/static/app.js").headers["content-type"].startswith("text/javascript")
+    assert httpx.get(srv.url + "/static/../http.py").status_code == 404
