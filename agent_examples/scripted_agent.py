@@ -79,6 +79,7 @@ async def triage(client: Client, run: str, *, timeout: float = 60.0, poll: float
     if anomaly is None:
         note(f"no anomaly of warning or critical severity in {timeout:.0f}s: the run looks healthy")
         return out
+    out.anomaly = anomaly
     out.detected_at = time.monotonic()
     note(f"anomaly {anomaly['id']} ({anomaly['kind']}, {anomaly['severity']}) at step {anomaly['first_step']}: "
          f"{anomaly['message']}")
@@ -103,7 +104,8 @@ async def triage(client: Client, run: str, *, timeout: float = 60.0, poll: float
         status = await _wait_status(client, run, fix["id"], FINAL, verdict_timeout, poll)
         out.fix, out.verdict = status, status["status"]
         note(f"  verdict: {status['status']} ({status['reason']})")
-        if status["status"] == "ineffective" and "revert" in (status["reason"] or ""):
+        # The server flags a fix that left the loss worse by its margin, whatever the verdict.
+        if status["status"] in ("ineffective", "effective") and "revert it" in (status["reason"] or ""):
             reverted = await call(client, "revert_fix", run=run, fix_id=fix["id"])
             out.reverted = True
             note(f"  reverted {fix['id']}: {reverted['status']}")

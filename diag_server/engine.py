@@ -110,17 +110,24 @@ class Engine:
             applied = r["applied_step"] or 0
             window = max(self.settings.verify_after_intervals * obs.interval, self.settings.verify_min_steps)
             verify = orjson.loads(r["verify"]) if r["verify"] else {}
-            if r["astatus"] == AnomalyStatus.resolved.value:
+            resolved = r["astatus"] == AnomalyStatus.resolved.value
+            if not resolved and obs.last_step < applied + window:
+                continue
+            # Every verdict compares the loss since the fix with the loss before it: a fix that cleared its
+            # anomaly but left the loss worse by the margin is flagged for revert too.
+            after = loss_median(conn, obs.run, applied, obs.last_step)
+            before = verify.get("loss_before")
+            worse = before is not None and after is not None and after > before * (1 + self.settings.worse_margin)
+            worse_text = f"; loss is worse ({after:.4g} vs {before:.4g} before): revert it" if worse else ""
+            detail = {"loss_before": before, "loss_after": after, "revert_suggested": worse}
+            if resolved:
                 self._verdict(conn, obs.run, r["id"], FixStatus.effective,
-                              f"the anomaly cleared within {obs.last_step - applied} steps of the fix", now)
-            elif obs.last_step >= applied + window:
-                after = loss_median(conn, obs.run, applied, obs.last_step)
-                before = verify.get("loss_before")
-                worse = before is not None and after is not None and after > before * (1 + self.settings.worse_margin)
-                reason = (f"the anomaly still held {obs.last_step - applied} steps after the fix"
-                          + (f"; loss is worse ({after:.4g} vs {before:.4g} before): revert it" if worse else ""))
-                self._verdict(conn, obs.run, r["id"], FixStatus.ineffective, reason, now,
-                              {"loss_before": before, "loss_after": after, "revert_suggested": worse})
+                              f"the anomaly cleared within {obs.last_step - applied} steps of the fix" + worse_text,
+                              now, detail)
+            else:
+                self._verdict(conn, obs.run, r["id"], FixStatus.ineffective,
+                              f"the anomaly still held {obs.last_step - applied} steps after the fix" + worse_text,
+                              now, detail)
 
     @staticmethod
     def _verdict(conn: sqlite3.Connection, run: str, fix_id: str, status: FixStatus, reason: str, now: float,
