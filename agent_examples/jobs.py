@@ -165,14 +165,14 @@ def fault_job(fault: Fault | str, *, run: str, steps: int = 600, pace: float = 0
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
+            if pace:
+                time.sleep(pace)  # stands in for a real model's compute (inside the step, not data wait)
             opt.step()
             if probe is not None:
                 probe.step(loss=loss)
             result.losses.append(loss.item())
             result.lrs.append(float(opt.param_groups[0]["lr"]))
             result.times.append(time.time())
-            if pace:
-                time.sleep(pace)
         with torch.no_grad():
             result.final_loss = torch.nn.functional.mse_loss(model(x_eval), y_eval).item()
     except BaseException as e:  # noqa: BLE001 - reported to the caller, who runs us in a thread
