@@ -91,6 +91,9 @@ REPAIR_ALLOW["rollback"] = {"every": 25}
 REPAIR_ALLOW["set_lr"] = {"max_lr": 1.0}
 
 
+OUTLIERS_UNTIL = 400
+
+
 @dataclass
 class Fault:
     name: str
@@ -101,27 +104,28 @@ class Fault:
     fault_step: int = 0  # when the fault begins (0: from the start)
     fault_lr: float | None = None  # the learning rate the fault sets at fault_step (or from the start)
     dead_bias: bool = False  # the first hidden layer's bias is set to -10: its ReLUs die
-    frozen: bool = False  # the middle Linear is left out of the optimizer
+    frozen: bool = False  # the hidden Linear layers are left out of the optimizer
     nan_batch: bool = False  # one input value of the batch at fault_step is NaN
-    outliers: int = 0  # from fault_step, one sample per batch has its label multiplied by this
+    outliers: int = 0  # from fault_step to OUTLIERS_UNTIL, every 10th batch has one label multiplied by this
 
 
 REPAIR_FAULTS: dict[str, Fault] = {f.name: f for f in (
-    Fault("exploding_gradients", "from step 150 one label per batch is 100x too large (a unit bug in some "
-          "records): every such batch throws the weights off", fault_step=150, outliers=100),
+    Fault("exploding_gradients", "from step 150 to 400 every 10th batch has one label 100x too large (a unit "
+          "bug in some records): each such batch throws the weights off", fault_step=150, outliers=100),
     Fault("nan_batch", "one NaN in the inputs of the batch at step 200 (a corrupt record)", fault_step=200,
           nan_batch=True),
     Fault("lr_too_high", "at step 200 a scheduler bug sets the learning rate 10x too high", fault_step=200,
           fault_lr=0.1),
-    Fault("lr_too_low", "the learning rate is 1e-5 instead of 1e-2 (a typo)", fault_lr=1e-5),
+    Fault("lr_too_low", "the learning rate is 1e-7 instead of 1e-2 (a typo)", fault_lr=1e-7),
     Fault("dead_relu", "the first hidden layer starts with bias -10: all of its ReLUs are dead", dead_bias=True),
     Fault("oscillating_loss", "the learning rate is 0.1 instead of 0.01 from the start: the loss swings up and "
           "down instead of descending", fault_lr=0.1),
-    Fault("frozen_layer", "the middle Linear layer was left out of the optimizer: it never learns", frozen=True),
+    Fault("frozen_layer", "the two hidden Linear layers were left out of the optimizer: only the head learns",
+          frozen=True),
 )}
 
 
-def fault_job(fault: Fault | str, *, run: str, steps: int = 600, pace: float = 0.004, seed: int = 0,
+def fault_job(fault: Fault | str, *, run: str, steps: int = 800, pace: float = 0.004, seed: int = 0,
               interval: int = 10, healthy: bool = False, allow: Any = None,
               probe_kwargs: dict[str, Any] | None = None, attach: bool = True,
               stop: threading.Event | None = None) -> JobResult:
@@ -141,7 +145,7 @@ def fault_job(fault: Fault | str, *, run: str, steps: int = 600, pace: float = 0
             model[0].bias.fill_(-10.0)
     params = list(model.parameters())
     if fault.frozen and not healthy:
-        params = [*model[0].parameters(), *model[4].parameters()]
+        params = list(model[4].parameters())
     lr = fault.lr if healthy or fault.fault_step or fault.fault_lr is None else fault.fault_lr
     opt: torch.optim.Optimizer = (torch.optim.Adam(params, lr=lr) if fault.optimizer == "adam"
                                   else torch.optim.SGD(params, lr=lr, momentum=0.9))
@@ -160,7 +164,7 @@ def fault_job(fault: Fault | str, *, run: str, steps: int = 600, pace: float = 0
             y = (x @ w).unsqueeze(1) + 0.3 * torch.sin(3 * x[:, :1])
             if not healthy and fault.nan_batch and step == fault.fault_step:
                 x[0, 3] = float("nan")
-            if not healthy and fault.outliers and step >= fault.fault_step:
+            if not healthy and fault.outliers and fault.fault_step <= step < OUTLIERS_UNTIL and step % 10 == 0:
                 y[0] = y[0] * fault.outliers
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)

@@ -5,15 +5,16 @@ learning rate too high, too low, dead ReLU units, oscillating loss, a frozen lay
 
 - the healthy run (the same job without the fault), probe attached, no agent;
 - the faulty run without intervention, probe attached, no agent;
-- the faulty run where the scripted agent (agent_examples.scripted_agent.triage, over the official MCP
-  client against a real ``traindx serve``) applies the top proposed fix as soon as the anomaly appears.
+- the faulty run where the scripted agent (agent_examples.scripted_agent, in its own process, over the
+  official MCP client against a real ``traindx serve``) applies the top proposed fix as soon as the
+  anomaly appears.
 
 Prints per fault the final loss (MSE on a fixed clean evaluation set) of each run, whether the fixed run
 recovered (final loss within 10% of the healthy run's), the steps from the anomaly's first step to the
 step the job applied the fix, and the fixed run's wall time over the healthy run's. The three runs of a
 fault are measured side by side, alternating with the other faults' runs; ``--repeats`` takes medians.
 
-    PYTHONPATH=. python benchmarks/repair.py            # all faults, 600 steps each
+    PYTHONPATH=. python benchmarks/repair.py            # all faults, 800 steps each
     PYTHONPATH=. python benchmarks/repair.py --quick    # 400 steps
     PYTHONPATH=. python benchmarks/repair.py --faults nan_batch,dead_relu
 
@@ -23,23 +24,21 @@ Targets (issue 5): >= 90% of the faults recovered, with total time <= 1.2x the h
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from agent_examples.jobs import REPAIR_FAULTS, JobResult, fault_job  # noqa: E402
-from agent_examples.scripted_agent import Outcome, connect, triage  # noqa: E402
 from diag_server.demo import _free_port, start_server  # noqa: E402
 
 RECOVERED_WITHIN = 0.10  # the issue's figure: final loss within 10% of the healthy run
@@ -70,32 +69,28 @@ def _job(url: str, spool: str, fault: str, run: str, *, healthy: bool = False, *
     return fault_job(fault, run=run, healthy=healthy, probe_kwargs={"server": url, "spool_dir": spool}, **kw)
 
 
-def _fixed_run(url: str, spool: str, fault: str, run: str, **kw) -> tuple[JobResult, Outcome]:
-    box: dict = {}
-    job = threading.Thread(target=lambda: box.update(result=_job(url, spool, fault, run, **kw)))
-    job.start()
-
-    async def agent() -> Outcome:
-        async with connect(f"{url}/mcp", name="repair-benchmark-agent") as client:
-            task = asyncio.create_task(triage(client, run, timeout=120, poll=0.1, verdict_timeout=120,
-                                              say=lambda m: None))
-            # Stop waiting once the job has ended: a verdict can only come while it runs.
-            while not task.done() and job.is_alive():
-                await asyncio.sleep(0.1)
-            try:
-                return await asyncio.wait_for(task, 3.0)
-            except asyncio.TimeoutError:
-                return Outcome(run=run, log=["the job ended first"])
-
-    outcome = asyncio.run(agent())
-    job.join()
-    return box["result"], outcome
+def _fixed_run(url: str, spool: str, fault: str, run: str, **kw) -> tuple[JobResult, dict, dict | None, str]:
+    """The faulty job with the scripted agent in its own process, as an AI assistant would be: it shares
+    the CPU with the job, not the job's interpreter."""
+    agent = subprocess.Popen([sys.executable, "-m", "agent_examples.scripted_agent", "--server", f"{url}/mcp",
+                              "--run", run, "--timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    result = _job(url, spool, fault, run, **kw)
+    try:
+        log = agent.communicate(timeout=5)[0].decode()
+    except subprocess.TimeoutExpired:  # still waiting for a verdict: the job has ended, so there is none
+        agent.terminate()
+        log = agent.communicate()[0].decode()
+    fixes = httpx.get(f"{url}/v1/runs/{run}/fixes").json()["fixes"]
+    fix = next((f for f in fixes if f["applied_step"] is not None), {})
+    anomaly = _anomaly(url, run, fix["anomaly_id"]) if fix.get("anomaly_id") else None
+    return result, fix, anomaly, log
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--faults", default=",".join(REPAIR_FAULTS), help="comma-separated names")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=800)
     p.add_argument("--pace", type=float, default=0.004, help="seconds of sleep per step (stands in for compute)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -123,7 +118,7 @@ def main() -> None:
                 tag = f"{fault}-s{args.seed}-r{rep}"
                 healthy = _job(url, spool, fault, f"{tag}-healthy", healthy=True, **kw)
                 unfixed = _job(url, spool, fault, f"{tag}-unfixed", allow=(), **kw)
-                fixed, outcome = _fixed_run(url, spool, fault, f"{tag}-fixed", **kw)
+                fixed, fix, anomaly, log = _fixed_run(url, spool, fault, f"{tag}-fixed", **kw)
                 for r in (healthy, unfixed, fixed):
                     if r.error is not None:
                         raise r.error
@@ -131,17 +126,13 @@ def main() -> None:
                 row.unfixed.append(unfixed.final_loss)
                 row.fixed.append(fixed.final_loss)
                 row.time_ratio.append(fixed.wall / healthy.wall)
-                fix = outcome.fix or {}
                 row.actions.append(f"{fix.get('action', '-')} {fix.get('params', '')}".strip())
-                row.verdicts.append(outcome.verdict or "-")
-                if outcome.anomaly:
-                    row.anomalies.append(outcome.anomaly["kind"])
-                if fix.get("applied_step") is not None and fix.get("anomaly_id"):
-                    a = _anomaly(url, f"{tag}-fixed", fix["anomaly_id"])
-                    if a is not None:
-                        row.steps_to_fix.append(fix["applied_step"] - a["first_step"])
+                row.verdicts.append(fix.get("status", "-"))
+                if anomaly is not None:
+                    row.anomalies.append(anomaly["kind"])
+                    row.steps_to_fix.append(fix["applied_step"] - anomaly["first_step"])
                 if args.verbose:
-                    print(f"--- {tag}", *outcome.log, sep="\n  ")
+                    print(f"--- {tag}\n{log}")
                 print(f"[{tag}] healthy {healthy.final_loss:.4g}  unfixed {unfixed.final_loss:.4g}  "
                       f"fixed {fixed.final_loss:.4g}  ({row.actions[-1]}; {row.verdicts[-1]})", flush=True)
     finally:

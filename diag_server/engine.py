@@ -103,7 +103,8 @@ class Engine:
                      (obs.last_step, now, obs.run, horizon))
 
     def _verify_fixes(self, conn: sqlite3.Connection, obs: Observations, now: float) -> None:
-        rows = conn.execute("SELECT f.id, f.applied_step, f.verify, a.status AS astatus, a.last_step AS alast "
+        rows = conn.execute("SELECT f.id, f.applied_step, f.verify, a.status AS astatus, a.last_step AS alast, "
+                            "a.resolved_step AS aresolved "
                             "FROM fixes f LEFT JOIN anomalies a ON a.id = f.anomaly_id "
                             "WHERE f.run=? AND f.status='applied'", (obs.run,)).fetchall()
         for r in rows:
@@ -111,7 +112,10 @@ class Engine:
             window = max(self.settings.verify_after_intervals * obs.interval, self.settings.verify_min_steps)
             verify = orjson.loads(r["verify"]) if r["verify"] else {}
             resolved = r["astatus"] == AnomalyStatus.resolved.value
-            if not resolved and obs.last_step < applied + window:
+            # An anomaly that had cleared before the fix was applied says nothing about the fix: judge it
+            # by the loss once the window has passed.
+            early = resolved and (r["aresolved"] or 0) <= applied
+            if (not resolved or early) and obs.last_step < applied + window:
                 continue
             # Every verdict compares the loss since the fix with the loss before it: a fix that cleared its
             # anomaly but left the loss worse by the margin is flagged for revert too.
@@ -120,7 +124,13 @@ class Engine:
             worse = before is not None and after is not None and after > before * (1 + self.settings.worse_margin)
             worse_text = f"; loss is worse ({after:.4g} vs {before:.4g} before): revert it" if worse else ""
             detail = {"loss_before": before, "loss_after": after, "revert_suggested": worse}
-            if resolved:
+            if early:
+                self._verdict(conn, obs.run, r["id"], FixStatus.ineffective if worse else FixStatus.effective,
+                              f"the anomaly had cleared before the fix (step {r['aresolved']}); over the "
+                              f"{obs.last_step - applied} steps since, the loss is "
+                              + (f"{after:.4g} vs {before:.4g} before" if after is not None and before is not None
+                                 else "not comparable") + worse_text, now, detail)
+            elif resolved:
                 self._verdict(conn, obs.run, r["id"], FixStatus.effective,
                               f"the anomaly cleared within {obs.last_step - applied} steps of the fix" + worse_text,
                               now, detail)

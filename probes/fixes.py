@@ -240,8 +240,9 @@ def unfreeze(t: Target, params: Mapping, bounds: Mapping) -> Applied:
 
 def rollback(t: Target, params: Mapping, bounds: Mapping) -> Applied:
     """Restore the newest good snapshot (taken before ``before_step`` when given): the model's weights and
-    buffers and the optimizer's state, keeping its current hyperparameters. Training goes on with the next
-    batch, so the batches since the snapshot (the one that broke the run among them) are skipped."""
+    buffers and the optimizer's state, keeping its current hyperparameters (``settings=true``: those of the
+    snapshot too). Training goes on with the next batch, so the batches since the snapshot (the one that
+    broke the run among them) are skipped."""
     buf = getattr(t.probe, "_rollback", None)
     if buf is None:
         raise FixRejected("this job keeps no snapshots to roll back to: allow it with a period, e.g. "
@@ -260,13 +261,18 @@ def rollback(t: Target, params: Mapping, bounds: Mapping) -> Applied:
     if isinstance(max_back, (int, float)) and now - snap.step > max_back:
         raise FixRejected(f"the newest usable snapshot is {now - snap.step} steps back; this job allows "
                           f"at most {max_back}")
-    buf.restore(snap)
+    settings = params.get("settings", False)
+    if not isinstance(settings, bool):
+        raise FixRejected("parameter 'settings' must be true or false")
+    lr_now = [float(g["lr"]) for g in t.optimizer.param_groups] if t.optimizer is not None else []
+    buf.restore(snap, settings=settings)
     # Newer snapshots hold the state just abandoned: a second rollback must not return to it.
     while buf.snapshots and buf.snapshots[-1].step > snap.step:
         buf.snapshots.pop()
-    return Applied({"step": now, "snapshots": kept},
+    lr_after = [float(g["lr"]) for g in t.optimizer.param_groups] if t.optimizer is not None else []
+    return Applied({"step": now, "snapshots": kept, "lr": lr_now},
                    {"restored_step": snap.step, "skipped_steps": now - snap.step, "snapshot_loss": snap.loss,
-                    "snapshot_bytes": snap.nbytes}, None)
+                    "snapshot_bytes": snap.nbytes, "lr": lr_after}, None)
 
 
 def reinit_dead_units(t: Target, params: Mapping, bounds: Mapping) -> Applied | Deferred:

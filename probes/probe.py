@@ -151,7 +151,7 @@ class Probe:
             if scalars:
                 self._user_scalars.append((step, scalars))
             if self._rollback is not None and self._rollback.due(step):
-                self._rollback.keep(step, loss)
+                self._rollback.keep(step, loss, [v for _, v in self._losses])
             if self._deferred:
                 self._finish_deferred(step)
             if self._due:

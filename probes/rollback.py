@@ -22,6 +22,12 @@ import torch
 
 DEFAULT_KEEP = 2
 MAX_KEEP = 4
+# A snapshot step whose mean recent loss is more than this many times the last kept snapshot's is not
+# good either: the run is diverging, and keeping it would push out the state from before. Same 3x as the
+# loss_divergence rule's default ratio. After DIVERGED_LIMIT refusals in a row the new level is accepted,
+# so a run that settled elsewhere (after a fix, say) does not keep an ever older snapshot.
+DIVERGED_RATIO = 3.0
+DIVERGED_LIMIT = 4
 # Hyperparameters that a rollback leaves as they are now: a fix applied after the snapshot (a lower
 # learning rate, say) must survive the restore of the state it was applied to.
 _SETTINGS = ("lr", "momentum", "betas", "weight_decay", "eps", "dampening", "nesterov", "initial_lr")
@@ -67,7 +73,8 @@ class RollbackBuffer:
             raise ValueError(f"rollback 'keep' must be 1..{MAX_KEEP}, got {keep!r}")
         self.model, self.optimizer, self.every = model, optimizer, every
         self.snapshots: deque[Snapshot] = deque(maxlen=keep)
-        self.refused = 0  # snapshot steps whose state was not finite
+        self.refused = 0  # snapshot steps whose state was not finite, or diverged
+        self._diverged = 0  # refusals in a row for divergence
 
     @classmethod
     def from_allow(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -82,8 +89,9 @@ class RollbackBuffer:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def keep(self, step: int, loss: Any) -> bool:
-        """Snapshot the state after ``step`` if it is good; True when it was kept."""
+    def keep(self, step: int, loss: Any, recent: list[Any] | None = None) -> bool:
+        """Snapshot the state after ``step`` if it is good; True when it was kept. ``recent`` are the losses
+        of the steps since the last sample (the probe's buffer), for a less noisy divergence test."""
         params = [p.detach() for p in self.model.parameters()]
         checks = [torch.isfinite(p).all() for p in params if p.is_floating_point()]
         loss_value: float | None = None
@@ -99,7 +107,18 @@ class RollbackBuffer:
             self.refused += 1
             return False
         if isinstance(loss, torch.Tensor):
-            loss_value = float(loss.detach().float().mean())
+            tensors = [v.detach().float().mean() for v in (recent or []) if isinstance(v, torch.Tensor)]
+            loss_value = float(torch.stack(tensors).mean()) if tensors else float(loss.detach().float().mean())
+            if not math.isfinite(loss_value):
+                self.refused += 1
+                return False
+        last = self.snapshots[-1].loss if self.snapshots else None
+        if (last is not None and loss_value is not None and last > 0 and loss_value > DIVERGED_RATIO * last
+                and self._diverged < DIVERGED_LIMIT):
+            self._diverged += 1
+            self.refused += 1
+            return False
+        self._diverged = 0
         model_state = _to_host(self.model.state_dict())
         opt_state = _to_host(self.optimizer.state_dict()) if self.optimizer is not None else None
         self.snapshots.append(Snapshot(step, loss_value, model_state, opt_state,
@@ -112,10 +131,14 @@ class RollbackBuffer:
                 return snap
         return None
 
-    def restore(self, snap: Snapshot) -> None:
+    def restore(self, snap: Snapshot, *, settings: bool = False) -> None:
+        """Load ``snap``. The optimizer's hyperparameters stay as they are now unless ``settings``, which
+        restores those of the snapshot too (the learning rate the run was healthy at, say)."""
         self.model.load_state_dict(snap.model)
         opt = self.optimizer
-        if opt is not None and snap.optimizer is not None:
+        if opt is not None and snap.optimizer is not None and settings:
+            opt.load_state_dict(_to_host(snap.optimizer))
+        elif opt is not None and snap.optimizer is not None:
             settings = [{k: g[k] for k in _SETTINGS if k in g} for g in opt.param_groups]
             # A copy: load_state_dict may keep the tensors it is given, and the snapshot must stay as it was.
             opt.load_state_dict(_to_host(snap.optimizer))
