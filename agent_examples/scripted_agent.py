@@ -133,6 +133,7 @@ def connect(server: str | None = None, *, stdio_data: str | None = None, name: s
 
 async def main_async(args: argparse.Namespace) -> int:
     async with connect(args.server, stdio_data=args.data if args.stdio else None) as client:
+        print(f"watching run {args.run}", flush=True)  # connected: a caller may start the job now
         out = await triage(client, args.run, timeout=args.timeout)
     return 0 if out.verdict in (None, "effective") else 1
 

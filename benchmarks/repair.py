@@ -75,6 +75,10 @@ def _fixed_run(url: str, spool: str, fault: str, run: str, **kw) -> tuple[JobRes
     agent = subprocess.Popen([sys.executable, "-m", "agent_examples.scripted_agent", "--server", f"{url}/mcp",
                               "--run", run, "--timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    # An agent already watching, as in use: the job starts once the agent's MCP session is up.
+    ready = agent.stdout.readline().decode()
+    if "watching" not in ready:
+        raise RuntimeError(f"the agent did not start: {ready}{agent.communicate()[0].decode()[-2000:]}")
     result = _job(url, spool, fault, run, **kw)
     try:
         log = agent.communicate(timeout=5)[0].decode()

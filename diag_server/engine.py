@@ -119,7 +119,9 @@ class Engine:
                 continue
             # Every verdict compares the loss since the fix with the loss before it: a fix that cleared its
             # anomaly but left the loss worse by the margin is flagged for revert too.
-            after = loss_median(conn, obs.run, applied, obs.last_step)
+            # Where the loss is now (the last quarter of the window), not its median since the fix: a fix
+            # that lets more of the model train may cost a transient before it pays off.
+            after = loss_median(conn, obs.run, max(applied, obs.last_step - window // 4), obs.last_step)
             before = verify.get("loss_before")
             worse = before is not None and after is not None and after > before * (1 + self.settings.worse_margin)
             worse_text = f"; loss is worse ({after:.4g} vs {before:.4g} before): revert it" if worse else ""

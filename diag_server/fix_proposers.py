@@ -17,6 +17,7 @@ from schemas.enums import AnomalyKind, FixAction
 from schemas.records import Anomaly
 
 from .fixes import Candidate, _clip_fix, _lr_fix, _lr_history
+from .queries import get_anomaly
 from .rules.base import median
 
 # The update/weight ratio to raise a too-small learning rate to. CS231n's rule of thumb puts a healthy
@@ -24,9 +25,10 @@ from .rules.base import median
 # healthy run (SGD 0.01, momentum 0.9) sits at 3e-3 to 1.4e-2 in its first 120 steps (measurement here).
 # 1e-2 is the top of that band; an overshoot is caught by the verification loop and set_lr reverts.
 HEALTHY_UPDATE_RATIO = 1e-2
-# Bounds on a learning-rate change the server proposes in one go: three decades up at most (the
-# update-ratio estimate is only good to an order of magnitude), and down to 0.01x.
-MAX_LR_RAISE = 1000.0
+# Bounds on a learning-rate change the server proposes in one go. The update ratio is proportional to
+# the rate (measurement here: SGD at 1e-5, 1e-6, 1e-7 moves 2.3e-5, 2.3e-6, 2.3e-7 per step), so the
+# raise it implies is trusted up to five decades; cuts go down to 0.01x.
+MAX_LR_RAISE = 1e5
 MIN_LR_FACTOR, MAX_LR_CUT = 0.01, 0.5
 HEALTHY_SWING = 0.1  # median |loss change| per step / initial loss in healthy runs (oscillating_loss rule)
 
@@ -143,11 +145,35 @@ def _attr(name: str) -> str:
 
 
 # -- proposers ---------------------------------------------------------------------------------------
+# Anomalies that say the step size is too large. Units that die while one of them holds were killed by
+# it, and re-initialised units would die again: the step size is fixed first.
+_STEP_TOO_LARGE = ("loss_divergence", "oscillating_loss", "exploding_gradient", "abnormal_update_ratio")
+
+
+def _step_size_cause(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
+    rows = conn.execute(f"SELECT id, kind, evidence FROM anomalies WHERE run=? AND status='open' AND id != ? AND "
+                        f"kind IN ({','.join('?' * len(_STEP_TOO_LARGE))}) ORDER BY first_step", (a.run, a.id, *_STEP_TOO_LARGE))
+    for row in rows:
+        if row["kind"] == "abnormal_update_ratio" and orjson.loads(row["evidence"] or "{}").get("direction") == "low":
+            continue
+        cause = get_anomaly(conn, a.run, row["id"])
+        proposer = _PROPOSERS.get(cause.kind)
+        lr = [c for c in (proposer(conn, cause) if proposer else [])
+              if c.live and c.action in (FixAction.rollback, FixAction.set_lr, FixAction.lr_scale)]
+        for c in lr:
+            c.rationale = (f"The units died while the step size was too large ({cause.kind.value} {cause.id} since "
+                           f"step {cause.first_step}); re-initialised units would die again, so that comes first. "
+                           + c.rationale)
+        if lr:
+            return lr
+    return []
+
+
 def dead_relu(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
     start = _start(conn, a.run)
     layers = _names(a, "layers")
     frac = _num(a.evidence, "dead_frac")
-    out: list[Candidate] = []
+    out: list[Candidate] = _step_size_cause(conn, a)
     if layers:
         layer = layers[0]
         feeding = _feeding_layer(start, layer)
@@ -162,7 +188,7 @@ def dead_relu(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
             f"The dead fraction of '{layer}' drops below the rule's threshold at the next samples and the loss "
             "resumes falling; live units keep what they learned.", "low"))
     prev, now, _ = _lr_history(conn, a.run, a.last_step)
-    if prev is not None and now is not None and now > prev:
+    if prev is not None and now is not None and now > prev and not any(c.action == FixAction.set_lr for c in out):
         out.append(_cut_lr(conn, a, prev / now, "A rate raised mid-run is a common cause of units dying.",
                            "Fewer units die from now on; already dead ones stay dead without a re-init."))
     target = layers[0] if layers else "the activation"
@@ -433,7 +459,12 @@ _ADVICE: dict[AnomalyKind, Callable] = {
 }
 
 
+_PROPOSERS: dict = {}  # the fix loop's table, once installed: dead_relu consults the step-size proposers
+
+
 def install(proposers: dict[AnomalyKind, Callable[[sqlite3.Connection, Anomaly], list[Candidate]]]) -> None:
+    global _PROPOSERS
+    _PROPOSERS = proposers
     proposers.update({
         AnomalyKind.dead_relu: dead_relu,
         AnomalyKind.vanishing_gradient: vanishing_gradient,

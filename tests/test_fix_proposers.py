@@ -82,6 +82,15 @@ def test_dead_relu_reinitialises_the_dead_layer_first_and_advises_leaky_relu(sto
         fixes.apply(store, RUN, advice[0].id, "mcp:test")  # advice is never claimed as applied
 
 
+def test_units_that_died_under_a_too_large_step_get_the_step_fixed_first(store):
+    _run(store)
+    osc = _anomaly(store, "oscillating_loss", {"median_jump": 0.8, "initial": 1.0}, first_step=10)
+    dead = _anomaly(store, "dead_relu", {"dead_frac": 1.0, "layers": ["3"]}, first_step=20, tensors=["3"])
+    first, second = _propose(store, dead)[:2]
+    assert first.action.value == "lr_scale" and osc in first.rationale
+    assert second.action.value == "reinit_dead_units"
+
+
 def test_nonfinite_rolls_back_to_before_the_first_bad_step(store):
     _run(store)
     a = _anomaly(store, "nonfinite", {"first_step": 200, "first_in": "scalar:loss", "first_tensor": "loss",
@@ -125,7 +134,7 @@ def test_loss_not_decreasing_raises_the_rate_to_a_healthy_update_ratio(store):
     _updates(store, 2e-6)
     a = _anomaly(store, "loss_not_decreasing", {"loss_median": 5.0, "initial": 5.1, "steps": 100, "min_drop": 0.01})
     top = _propose(store, a)[0]
-    assert top.action.value == "set_lr" and top.params == {"lr": pytest.approx(0.01)}  # 1e-5 * min(1e-2 / 2e-6, 1000)
+    assert top.action.value == "set_lr" and top.params == {"lr": pytest.approx(0.05)}  # 1e-5 * (1e-2 / 2e-6)
     assert "2e-06" in top.rationale
 
 
