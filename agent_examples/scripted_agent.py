@@ -134,7 +134,7 @@ def connect(server: str | None = None, *, stdio_data: str | None = None, name: s
 async def main_async(args: argparse.Namespace) -> int:
     async with connect(args.server, stdio_data=args.data if args.stdio else None) as client:
         print(f"watching run {args.run}", flush=True)  # connected: a caller may start the job now
-        out = await triage(client, args.run, timeout=args.timeout)
+        out = await triage(client, args.run, timeout=args.timeout, poll=args.poll)
     return 0 if out.verdict in (None, "effective") else 1
 
 
@@ -145,6 +145,7 @@ def main() -> None:
     p.add_argument("--data", default=".traindx", help="data directory for --stdio")
     p.add_argument("--run", required=True)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for an anomaly")
+    p.add_argument("--poll", type=float, default=0.25, help="seconds between two looks at the run")
     sys.exit(asyncio.run(main_async(p.parse_args())))
 
 

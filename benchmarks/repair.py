@@ -69,11 +69,11 @@ def _job(url: str, spool: str, fault: str, run: str, *, healthy: bool = False, *
     return fault_job(fault, run=run, healthy=healthy, probe_kwargs={"server": url, "spool_dir": spool}, **kw)
 
 
-def _fixed_run(url: str, spool: str, fault: str, run: str, **kw) -> tuple[JobResult, dict, dict | None, str]:
+def _fixed_run(url: str, spool: str, fault: str, run: str, poll: float, **kw) -> tuple[JobResult, dict, dict | None, str]:
     """The faulty job with the scripted agent in its own process, as an AI assistant would be: it shares
     the CPU with the job, not the job's interpreter."""
     agent = subprocess.Popen([sys.executable, "-m", "agent_examples.scripted_agent", "--server", f"{url}/mcp",
-                              "--run", run, "--timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              "--run", run, "--timeout", "120", "--poll", str(poll)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     # An agent already watching, as in use: the job starts once the agent's MCP session is up.
     ready = agent.stdout.readline().decode()
@@ -100,6 +100,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="400 steps")
     p.add_argument("--verbose", action="store_true", help="print the agent's log")
+    p.add_argument("--poll", type=float, default=0.5, help="seconds between two looks of the agent at the run")
     args = p.parse_args()
     steps = 400 if args.quick else args.steps
     faults = [f for f in args.faults.split(",") if f]
@@ -122,7 +123,7 @@ def main() -> None:
                 tag = f"{fault}-s{args.seed}-r{rep}"
                 healthy = _job(url, spool, fault, f"{tag}-healthy", healthy=True, **kw)
                 unfixed = _job(url, spool, fault, f"{tag}-unfixed", allow=(), **kw)
-                fixed, fix, anomaly, log = _fixed_run(url, spool, fault, f"{tag}-fixed", **kw)
+                fixed, fix, anomaly, log = _fixed_run(url, spool, fault, f"{tag}-fixed", args.poll, **kw)
                 for r in (healthy, unfixed, fixed):
                     if r.error is not None:
                         raise r.error

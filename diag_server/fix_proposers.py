@@ -30,6 +30,9 @@ HEALTHY_UPDATE_RATIO = 1e-2
 # raise it implies is trusted up to five decades; cuts go down to 0.01x.
 MAX_LR_RAISE = 1e5
 MIN_LR_FACTOR, MAX_LR_CUT = 0.01, 0.5
+# Healthy suite runs have median update ratios <= 0.05 even at step 0 (the abnormal_update_ratio rule's
+# measurement); above it, the step size is the first suspect.
+HIGH_UPDATE_RATIO = 0.05
 HEALTHY_SWING = 0.1  # median |loss change| per step / initial loss in healthy runs (oscillating_loss rule)
 
 
@@ -166,6 +169,16 @@ def _step_size_cause(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
                            + c.rationale)
         if lr:
             return lr
+    # No such anomaly yet (units die within the first samples): the update sizes may already tell.
+    ratio = _update_ratio(conn, a.run, a.last_step, samples=3)
+    if ratio is not None and ratio > HIGH_UPDATE_RATIO:
+        factor = _g(min(max(HEALTHY_UPDATE_RATIO / ratio, MIN_LR_FACTOR), MAX_LR_CUT))
+        return [Candidate(FixAction.lr_scale, {"factor": factor},
+                          f"The weights move by a median {ratio:.2g} of their size per step, above the {HIGH_UPDATE_RATIO:g} "
+                          "healthy runs stay under: steps that large kill units, and re-initialised units would die "
+                          f"again. Scale the learning rate by {factor:g} to bring the ratio to {HEALTHY_UPDATE_RATIO:g} "
+                          "first.", "Updates of a healthy size; fewer units die. Re-initialise the dead ones after.",
+                          "medium")]
     return []
 
 

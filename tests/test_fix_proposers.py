@@ -91,6 +91,14 @@ def test_units_that_died_under_a_too_large_step_get_the_step_fixed_first(store):
     assert second.action.value == "reinit_dead_units"
 
 
+def test_units_dying_under_large_updates_get_the_rate_cut_first(store):
+    _run(store)
+    _updates(store, 0.2)
+    dead = _anomaly(store, "dead_relu", {"dead_frac": 1.0, "layers": ["3"]}, first_step=20, tensors=["3"])
+    first = _propose(store, dead)[0]
+    assert first.action.value == "lr_scale" and first.params == {"factor": 0.05}  # to 1e-2 from 0.2
+
+
 def test_nonfinite_rolls_back_to_before_the_first_bad_step(store):
     _run(store)
     a = _anomaly(store, "nonfinite", {"first_step": 200, "first_in": "scalar:loss", "first_tensor": "loss",
