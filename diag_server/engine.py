@@ -123,7 +123,11 @@ class Engine:
             # that lets more of the model train may cost a transient before it pays off.
             after = loss_median(conn, obs.run, max(applied, obs.last_step - window // 4), obs.last_step)
             before = verify.get("loss_before")
-            worse = before is not None and after is not None and after > before * (1 + self.settings.worse_margin)
+            # ... and only while it is not coming down: a loss still falling fast is a transient, not harm.
+            first = loss_median(conn, obs.run, applied, min(applied + window // 4, obs.last_step))
+            falling = first is not None and after is not None and after < 0.8 * first
+            worse = (before is not None and after is not None and after > before * (1 + self.settings.worse_margin)
+                     and not falling)
             worse_text = f"; loss is worse ({after:.4g} vs {before:.4g} before): revert it" if worse else ""
             detail = {"loss_before": before, "loss_after": after, "revert_suggested": worse}
             if early:

@@ -154,8 +154,10 @@ _STEP_TOO_LARGE = ("loss_divergence", "oscillating_loss", "exploding_gradient", 
 
 
 def _step_size_cause(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
-    rows = conn.execute(f"SELECT id, kind, evidence FROM anomalies WHERE run=? AND status='open' AND id != ? AND "
-                        f"kind IN ({','.join('?' * len(_STEP_TOO_LARGE))}) ORDER BY first_step", (a.run, a.id, *_STEP_TOO_LARGE))
+    # Open or already resolved: an oscillation that stopped once the units died still killed them.
+    rows = conn.execute(f"SELECT id, kind, evidence FROM anomalies WHERE run=? AND id != ? AND first_step <= ? AND "
+                        f"kind IN ({','.join('?' * len(_STEP_TOO_LARGE))}) ORDER BY status='open' DESC, first_step",
+                        (a.run, a.id, a.last_step, *_STEP_TOO_LARGE))
     for row in rows:
         if row["kind"] == "abnormal_update_ratio" and orjson.loads(row["evidence"] or "{}").get("direction") == "low":
             continue
@@ -169,8 +171,8 @@ def _step_size_cause(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
                            + c.rationale)
         if lr:
             return lr
-    # No such anomaly yet (units die within the first samples): the update sizes may already tell.
-    ratio = _update_ratio(conn, a.run, a.last_step, samples=3)
+    # No such anomaly (units die within the first samples): the update sizes when they died may tell.
+    ratio = _update_ratio(conn, a.run, a.first_step, samples=3)
     if ratio is not None and ratio > HIGH_UPDATE_RATIO:
         factor = _g(min(max(HEALTHY_UPDATE_RATIO / ratio, MIN_LR_FACTOR), MAX_LR_CUT))
         return [Candidate(FixAction.lr_scale, {"factor": factor},
@@ -341,10 +343,11 @@ def after_lr_rise(previous: Callable[[sqlite3.Connection, Anomaly], list[Candida
         prev, now, changed_at = _lr_history(conn, a.run, a.last_step)
         if prev is None or now is None or now <= prev or changed_at is None:
             return rest
-        roll = Candidate(FixAction.rollback, {"before_step": changed_at + 1, "settings": True},
+        roll = Candidate(FixAction.rollback, {"before_step": a.first_step, "lr": prev},
                          f"The learning rate was raised from {prev:.3g} to {now:.3g} after step {changed_at} and the run "
-                         "has been going wrong since. Roll back to the newest snapshot from before the rise, with its "
-                         f"settings: the weights and optimizer state from before the damage, and the rate {prev:.3g}.",
+                         f"has been going wrong since step {a.first_step}. Roll back to the newest snapshot from before "
+                         f"that, and set the rate back to {prev:.3g}: the weights and optimizer state from before the "
+                         "damage, and the rate the run was healthy at.",
                          "The loss is back at its pre-fault level from the next step; the steps since the snapshot are "
                          "lost. If the job keeps no snapshot from before the rise it rejects this: apply the next "
                          "proposal (set_lr) instead.", "medium")

@@ -241,7 +241,7 @@ def unfreeze(t: Target, params: Mapping, bounds: Mapping) -> Applied:
 def rollback(t: Target, params: Mapping, bounds: Mapping) -> Applied:
     """Restore the newest good snapshot (taken before ``before_step`` when given): the model's weights and
     buffers and the optimizer's state, keeping its current hyperparameters (``settings=true``: those of the
-    snapshot too). Training goes on with the next batch, so the batches since the snapshot (the one that
+    snapshot too; with ``lr``, then that learning rate for every group). Training goes on with the next batch, so the batches since the snapshot (the one that
     broke the run among them) are skipped."""
     buf = getattr(t.probe, "_rollback", None)
     if buf is None:
@@ -264,8 +264,11 @@ def rollback(t: Target, params: Mapping, bounds: Mapping) -> Applied:
     settings = params.get("settings", False)
     if not isinstance(settings, bool):
         raise FixRejected("parameter 'settings' must be true or false")
+    new_lr = _number(params, "lr", bounds.get("min_lr", 0.0), bounds.get("max_lr", 10.0)) if "lr" in params else None
     lr_now = [float(g["lr"]) for g in t.optimizer.param_groups] if t.optimizer is not None else []
     buf.restore(snap, settings=settings)
+    if new_lr is not None and t.optimizer is not None:
+        _set_lrs(t.optimizer, {i: new_lr for i in range(len(t.optimizer.param_groups))})
     # Newer snapshots hold the state just abandoned: a second rollback must not return to it.
     while buf.snapshots and buf.snapshots[-1].step > snap.step:
         buf.snapshots.pop()

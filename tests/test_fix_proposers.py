@@ -94,7 +94,7 @@ def test_units_that_died_under_a_too_large_step_get_the_step_fixed_first(store):
 def test_units_dying_under_large_updates_get_the_rate_cut_first(store):
     _run(store)
     _updates(store, 0.2)
-    dead = _anomaly(store, "dead_relu", {"dead_frac": 1.0, "layers": ["3"]}, first_step=20, tensors=["3"])
+    dead = _anomaly(store, "dead_relu", {"dead_frac": 1.0, "layers": ["3"]}, first_step=100, tensors=["3"])
     first = _propose(store, dead)[0]
     assert first.action.value == "lr_scale" and first.params == {"factor": 0.05}  # to 1e-2 from 0.2
 
@@ -123,7 +123,7 @@ def test_divergence_after_a_learning_rate_rise_rolls_back_with_the_old_settings(
     a = _anomaly(store, "loss_divergence", {"loss_median": 4.0, "best": 0.07, "ratio": 57.0}, first_step=220,
                  last_step=240)
     roll, set_lr = _propose(store, a)[:2]
-    assert (roll.action.value, roll.params) == ("rollback", {"before_step": 191, "settings": True})
+    assert (roll.action.value, roll.params) == ("rollback", {"before_step": 220, "lr": 0.01})
     assert (set_lr.action.value, set_lr.params) == ("set_lr", {"lr": 0.01})  # what to do without a snapshot
     _run(store, allow=("set_lr",))  # a job that keeps no snapshots gets set_lr first
     assert _propose(store, a)[0].action.value == "set_lr"

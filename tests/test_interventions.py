@@ -82,8 +82,11 @@ def test_rollback_keeps_the_current_learning_rate_and_at_most_two_snapshots():
                                                    25: [_cmd("f-2", "rollback")]})
     assert [s.step for s in probe._rollback.snapshots][-1] >= 25 and len(probe._rollback.snapshots) <= 2
     assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)  # the rollback restored state, not settings
+    _train(model, opt, probe, sink, 10, commands={2: [_cmd("f-3", "rollback", settings=True)],
+                                                   6: [_cmd("f-4", "rollback", lr=2e-4)]})
     probe.close()
-    assert _acks(sink, "f-2")[0]["status"] == "applied"
+    assert [_acks(sink, f)[0]["status"] for f in ("f-2", "f-3", "f-4")] == ["applied"] * 3
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-4)
 
 
 def test_rollback_without_snapshots_is_rejected_with_how_to_enable_it():
