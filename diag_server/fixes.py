@@ -78,14 +78,11 @@ def _clip_fix(conn: sqlite3.Connection, a: Anomaly) -> Candidate | None:
     healthy = _healthy_grad_norm(conn, a.run, a.first_step)
     if healthy is None:
         return None
-    # At the healthy median: AutoClip (Seetharaman et al., 2020) clips at a low percentile (p=10) of the
-    # run's own gradient-norm history; the median is the gentler end. At 2x the median, batches with
-    # corrupt labels every 10 steps still left the repair suite's run 15% worse (benchmarks/repair.py).
-    max_norm = float(f"{healthy:.3g}")
+    max_norm = float(f"{2 * healthy:.3g}")
     return Candidate(FixAction.grad_clip, {"max_norm": max_norm},
-                     f"Clip the global gradient norm at {max_norm} (the healthy median measured before step "
-                     f"{a.first_step}, as AutoClip clips at a percentile of the run's own history).",
-                     "Caps each update at its healthy size; spikes can no longer throw the weights off.", "low")
+                     f"Clip the global gradient norm at {max_norm} (2x the healthy median {healthy:.3g} "
+                     f"measured before step {a.first_step}).",
+                     "Caps each update at twice its healthy size; spikes can no longer throw the weights off.", "low")
 
 
 def _exploding(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
