@@ -126,8 +126,12 @@ class Engine:
             # ... and only while it is not coming down: a loss still falling fast is a transient, not harm.
             first = loss_median(conn, obs.run, applied, min(applied + window // 4, obs.last_step))
             falling = first is not None and after is not None and after < 0.8 * first
-            worse = (before is not None and after is not None and after > before * (1 + self.settings.worse_margin)
-                     and not falling)
+            # Judged on a full window only: an anomaly that clears within a few steps of its fix leaves the loss
+            # where the fault put it, which says nothing yet about the fix (measurement here: a clip applied
+            # after three corrupt batches, flagged at 35 steps and reverted, let the run blow up).
+            full = obs.last_step - applied >= window
+            worse = (full and before is not None and after is not None
+                     and after > before * (1 + self.settings.worse_margin) and not falling)
             worse_text = f"; loss is worse ({after:.4g} vs {before:.4g} before): revert it" if worse else ""
             detail = {"loss_before": before, "loss_after": after, "revert_suggested": worse}
             if early:
