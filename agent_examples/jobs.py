@@ -26,6 +26,8 @@ class JobResult:
     lrs: list[float] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # time.time() at the end of each step
     error: BaseException | None = None
+    final_loss: float | None = None  # fault_job: MSE on a fixed clean evaluation set at the end (see fault_job)
+    wall: float | None = None  # fault_job: seconds from the first step to the end, probe close included
 
     def median(self, lo: int, hi: int) -> float:
         window = [x for x in self.losses[lo:hi] if x == x]
@@ -77,4 +79,115 @@ def lr_spike_job(*, run: str, steps: int = 1500, fault_step: int | None = 500, f
     finally:
         if probe is not None:
             probe.close()
+    return result
+
+
+# -- the repair suite: one job per live-fixable fault ------------------------------------------------
+# What the repair jobs let the server change: every live action, rollback with a snapshot every 25 steps
+# (two kept: about 2x the model plus its optimizer state in host memory).
+REPAIR_ALLOW: dict[str, dict] = {a: {} for a in ("lr_scale", "set_lr", "grad_clip", "skip_nonfinite", "grad_scale",
+                                                 "freeze", "unfreeze", "reinit_dead_units", "set_probe")}
+REPAIR_ALLOW["rollback"] = {"every": 25}
+REPAIR_ALLOW["set_lr"] = {"max_lr": 1.0}
+
+
+FINAL_WINDOW = 100
+
+
+@dataclass
+class Fault:
+    name: str
+    what: str
+    optimizer: str = "sgd"  # sgd (momentum 0.9) or adam
+    lr: float = 0.01
+    batch: int = 64
+    fault_step: int = 0  # when the fault begins (0: from the start)
+    fault_lr: float | None = None  # the learning rate the fault sets at fault_step (or from the start)
+    dead_bias: bool = False  # the first hidden layer's bias is set to -10: its ReLUs die
+    frozen: bool = False  # the hidden Linear layers are left out of the optimizer
+    nan_batch: bool = False  # one input value of the batch at fault_step is NaN
+    outliers: int = 0  # from fault_step, every 10th batch has one label multiplied by this
+
+
+REPAIR_FAULTS: dict[str, Fault] = {f.name: f for f in (
+    Fault("exploding_gradients", "from step 150 every 10th batch has one label 100x too large (a unit bug in "
+          "some records): each such batch throws the weights off", fault_step=150, outliers=100),
+    Fault("nan_batch", "one NaN in the inputs of the batch at step 200 (a corrupt record)", fault_step=200,
+          nan_batch=True),
+    Fault("lr_too_high", "at step 200 a scheduler bug sets the learning rate 10x too high", fault_step=200,
+          fault_lr=0.1),
+    Fault("lr_too_low", "the learning rate is 1e-7 instead of 1e-2 (a typo)", fault_lr=1e-7),
+    Fault("dead_relu", "the first hidden layer starts with bias -10: all of its ReLUs are dead", dead_bias=True),
+    Fault("oscillating_loss", "the learning rate is 0.1 instead of 0.01 from the start: the loss swings up and "
+          "down instead of descending", fault_lr=0.1),
+    Fault("frozen_layer", "the two hidden Linear layers were left out of the optimizer: only the head learns",
+          frozen=True),
+)}
+
+
+def fault_job(fault: Fault | str, *, run: str, steps: int = 800, pace: float = 0.004, seed: int = 0,
+              interval: int = 10, healthy: bool = False, allow: Any = None,
+              probe_kwargs: dict[str, Any] | None = None, attach: bool = True,
+              stop: threading.Event | None = None) -> JobResult:
+    """The regression MLP of ``lr_spike_job`` with one fault of ``REPAIR_FAULTS`` (or none: ``healthy``).
+    The same seed gives the same weights and batches with and without the fault, so a fixed run can be
+    compared with the healthy one. ``final_loss`` is the MSE on a fixed clean evaluation set, the median of
+    its values every 10 steps over the last ``FINAL_WINDOW`` steps (one evaluation alone moves by ~20% from
+    step to step under SGD noise: measurement here)."""
+    fault = REPAIR_FAULTS[fault] if isinstance(fault, str) else fault
+    torch.manual_seed(seed)
+    data = torch.Generator().manual_seed(seed + 1)
+    w = torch.linspace(-1, 1, 16)
+    gen_eval = torch.Generator().manual_seed(seed + 2)
+    x_eval = torch.randn(1024, 16, generator=gen_eval)
+    y_eval = (x_eval @ w).unsqueeze(1) + 0.3 * torch.sin(3 * x_eval[:, :1])
+    model = regression_model()
+    if fault.dead_bias and not healthy:
+        with torch.no_grad():
+            model[0].bias.fill_(-10.0)
+    params = list(model.parameters())
+    if fault.frozen and not healthy:
+        params = list(model[4].parameters())
+    lr = fault.lr if healthy or fault.fault_step or fault.fault_lr is None else fault.fault_lr
+    opt: torch.optim.Optimizer = (torch.optim.Adam(params, lr=lr) if fault.optimizer == "adam"
+                                  else torch.optim.SGD(params, lr=lr, momentum=0.9))
+    result = JobResult(run=run)
+    probe = probes.attach(model, opt, run=run, interval=interval,
+                          allow=REPAIR_ALLOW if allow is None else allow, **(probe_kwargs or {})) if attach else None
+    evals: list[float] = []
+    t0 = time.time()
+    try:
+        for step in range(steps):
+            if stop is not None and stop.is_set():
+                break
+            if not healthy and fault.fault_step and step == fault.fault_step and fault.fault_lr is not None:
+                for group in opt.param_groups:
+                    group["lr"] = fault.fault_lr
+            x = torch.randn(fault.batch, 16, generator=data)
+            y = (x @ w).unsqueeze(1) + 0.3 * torch.sin(3 * x[:, :1])
+            if not healthy and fault.nan_batch and step == fault.fault_step:
+                x[0, 3] = float("nan")
+            if not healthy and fault.outliers and step >= fault.fault_step and step % 10 == 0:
+                y[0] = y[0] * fault.outliers
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if pace:
+                time.sleep(pace)  # stands in for a real model's compute (inside the step, not data wait)
+            opt.step()
+            if probe is not None:
+                probe.step(loss=loss)
+            result.losses.append(loss.item())
+            result.lrs.append(float(opt.param_groups[0]["lr"]))
+            result.times.append(time.time())
+            if step >= steps - FINAL_WINDOW and (steps - 1 - step) % 10 == 0:
+                with torch.no_grad():
+                    evals.append(torch.nn.functional.mse_loss(model(x_eval), y_eval).item())
+        result.final_loss = statistics.median(x if x == x else float("inf") for x in evals) if evals else None
+    except BaseException as e:  # noqa: BLE001 - reported to the caller, who runs us in a thread
+        result.error = e
+    finally:
+        if probe is not None:
+            probe.close()
+        result.wall = time.time() - t0
     return result

@@ -50,8 +50,9 @@ async def call(client: Client, tool: str, **args: Any) -> dict:
     return result.structured_content
 
 
-async def wait_for_anomaly(client: Client, run: str, *, timeout: float, poll: float) -> dict | None:
-    """The most urgent open anomaly of warning or critical severity, once one appears."""
+async def wait_for_anomaly(client: Client, run: str, *, timeout: float, poll: float,
+                           skip: set[str] = frozenset()) -> dict | None:  # type: ignore[assignment]
+    """The most urgent open anomaly of warning or critical severity (not in ``skip``), once one appears."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -60,7 +61,7 @@ async def wait_for_anomaly(client: Client, run: str, *, timeout: float, poll: fl
             if "unknown_run" not in str(e):
                 raise
             page = {"anomalies": []}  # the job has not sent its first batch yet
-        urgent = [a for a in page["anomalies"] if a["severity"] in ("warning", "critical")]
+        urgent = [a for a in page["anomalies"] if a["severity"] in ("warning", "critical") and a["id"] not in skip]
         if urgent:
             return urgent[0]
         await asyncio.sleep(poll)
@@ -75,22 +76,44 @@ async def triage(client: Client, run: str, *, timeout: float = 60.0, poll: float
         out.log.append(msg)
         say(msg)
 
-    anomaly = await wait_for_anomaly(client, run, timeout=timeout, poll=poll)
-    if anomaly is None:
-        note(f"no anomaly of warning or critical severity in {timeout:.0f}s: the run looks healthy")
-        return out
-    out.detected_at = time.monotonic()
-    note(f"anomaly {anomaly['id']} ({anomaly['kind']}, {anomaly['severity']}) at step {anomaly['first_step']}: "
-         f"{anomaly['message']}")
-    diagnosis = await call(client, "diagnose", run=run)
-    out.diagnosis = diagnosis
-    note(f"diagnosis: {diagnosis['summary']}")
-    # Fix the root cause the diagnosis ranks first; its consequences usually clear with it.
-    target_id = diagnosis["causes"][0]["anomaly_id"] if diagnosis["causes"] else anomaly["id"]
-    proposals = (await call(client, "propose_fix", run=run, anomaly_id=target_id))["fixes"]
-    live = [f for f in proposals if f["live"] and f["status"] in ("proposed", "rejected", "expired", "reverted")]
-    for f in proposals:
-        note(f"  proposal {f['id']} rank {f['rank']}: {f['action']} {f['params']} - {f['rationale']}")
+    deadline = time.monotonic() + timeout
+    handled: set[str] = set()  # anomalies with nothing to apply live (advice only): watch for the next one
+    while True:
+        anomaly = await wait_for_anomaly(client, run, timeout=max(deadline - time.monotonic(), 0), poll=poll,
+                                         skip=handled)
+        if anomaly is None:
+            if not handled:
+                note(f"no anomaly of warning or critical severity in {timeout:.0f}s: the run looks healthy")
+            return out
+        if out.anomaly is None:
+            out.anomaly = anomaly
+            out.detected_at = time.monotonic()
+        note(f"anomaly {anomaly['id']} ({anomaly['kind']}, {anomaly['severity']}) at step {anomaly['first_step']}: "
+             f"{anomaly['message']}")
+        diagnosis = await call(client, "diagnose", run=run)
+        out.diagnosis = diagnosis
+        note(f"diagnosis: {diagnosis['summary']}")
+        # Fix the root cause the diagnosis ranks first; its consequences usually clear with it. A cause with
+        # only advice (a restart) is reported and the next one is tried.
+        targets = [c["anomaly_id"] for c in diagnosis["causes"] if c["anomaly_id"] not in handled] or [anomaly["id"]]
+        for target_id in targets:
+            proposals = (await call(client, "propose_fix", run=run, anomaly_id=target_id))["fixes"]
+            for f in proposals:
+                note(f"  proposal {f['id']} rank {f['rank']}: {f['action']} {f['params']} - {f['rationale']}")
+            live = [f for f in proposals if f["live"] and f["status"] in ("proposed", "rejected", "expired", "reverted")]
+            if not live:
+                handled.add(target_id)
+                note(f"  {target_id}: nothing to apply live (advice for a restart); looking further")
+                continue
+            out.anomaly = next((a for a in [anomaly] if a["id"] == target_id), out.anomaly)
+            await _apply_first(client, run, live, out, note, verdict_timeout, poll)
+            return out
+        handled.add(anomaly["id"])
+
+
+async def _apply_first(client: Client, run: str, live: list[dict], out: Outcome, note: Callable[[str], None],
+                       verdict_timeout: float, poll: float) -> None:
+    """Apply the first proposal the job accepts; wait for the verdict; revert if the server says so."""
     for fix in live:
         applied = await call(client, "apply_fix", run=run, fix_id=fix["id"])
         note(f"apply_fix {fix['id']} ({fix['action']} {fix['params']}): {applied['status']}")
@@ -103,14 +126,17 @@ async def triage(client: Client, run: str, *, timeout: float = 60.0, poll: float
         status = await _wait_status(client, run, fix["id"], FINAL, verdict_timeout, poll)
         out.fix, out.verdict = status, status["status"]
         note(f"  verdict: {status['status']} ({status['reason']})")
+        # Undo a fix that did not help, or that the server flags for making the loss worse; a rollback
+        # cannot be undone (it already replaced the state), so it stays.
+        worse = "revert it" in (status["reason"] or "")
+        if (status["status"] == "ineffective" or worse) and fix["action"] != "rollback":
+            await call(client, "revert_fix", run=run, fix_id=fix["id"])
+            reverted = await _wait_status(client, run, fix["id"], {"reverted"}, verdict_timeout, poll)
+            out.reverted = True
+            note(f"  reverted {fix['id']}: {reverted['status']} ({reverted['before']} -> {reverted['after']})")
         if status["status"] != "ineffective":
-            break
-        # It did not help (or made things worse): undo it, then try the next proposal.
-        await call(client, "revert_fix", run=run, fix_id=fix["id"])
-        reverted = await _wait_status(client, run, fix["id"], {"reverted"}, verdict_timeout, poll)
-        out.reverted = True
-        note(f"  reverted {fix['id']}: {reverted['status']} ({reverted['before']} -> {reverted['after']})")
-    return out
+            return
+        note("  trying the next proposal")
 
 
 async def _wait_status(client: Client, run: str, fix_id: str, until: set[str], timeout: float, poll: float) -> dict:
@@ -133,7 +159,8 @@ def connect(server: str | None = None, *, stdio_data: str | None = None, name: s
 
 async def main_async(args: argparse.Namespace) -> int:
     async with connect(args.server, stdio_data=args.data if args.stdio else None) as client:
-        out = await triage(client, args.run, timeout=args.timeout)
+        print(f"watching run {args.run}", flush=True)  # connected: a caller may start the job now
+        out = await triage(client, args.run, timeout=args.timeout, poll=args.poll)
     return 0 if out.verdict in (None, "effective") else 1
 
 
@@ -144,6 +171,7 @@ def main() -> None:
     p.add_argument("--data", default=".traindx", help="data directory for --stdio")
     p.add_argument("--run", required=True)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for an anomaly")
+    p.add_argument("--poll", type=float, default=0.25, help="seconds between two looks at the run")
     sys.exit(asyncio.run(main_async(p.parse_args())))
 
 

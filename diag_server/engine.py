@@ -164,7 +164,8 @@ class Engine:
                      (obs.last_step, now, obs.run, horizon))
 
     def _verify_fixes(self, conn: sqlite3.Connection, obs: Observations, now: float) -> None:
-        rows = conn.execute("SELECT f.id, f.applied_step, f.verify, a.status AS astatus, a.last_step AS alast "
+        rows = conn.execute("SELECT f.id, f.applied_step, f.verify, a.status AS astatus, a.last_step AS alast, "
+                            "a.resolved_step AS aresolved "
                             "FROM fixes f LEFT JOIN anomalies a ON a.id = f.anomaly_id "
                             # A fix with no anomaly (prune, sensitivity) has nothing to clear: no verdict.
                             "WHERE f.run=? AND f.status='applied' AND f.anomaly_id IS NOT NULL", (obs.run,)).fetchall()
@@ -172,17 +173,43 @@ class Engine:
             applied = r["applied_step"] or 0
             window = max(self.settings.verify_after_intervals * obs.interval, self.settings.verify_min_steps)
             verify = orjson.loads(r["verify"]) if r["verify"] else {}
-            if r["astatus"] == AnomalyStatus.resolved.value:
+            resolved = r["astatus"] == AnomalyStatus.resolved.value
+            # An anomaly that had cleared before the fix was applied says nothing about the fix: judge it
+            # by the loss once the window has passed.
+            early = resolved and (r["aresolved"] or 0) <= applied
+            if (not resolved or early) and obs.last_step < applied + window:
+                continue
+            # Every verdict compares the loss since the fix with the loss before it: a fix that cleared its
+            # anomaly but left the loss worse by the margin is flagged for revert too.
+            # Where the loss is now (the last quarter of the window), not its median since the fix: a fix
+            # that lets more of the model train may cost a transient before it pays off.
+            after = loss_median(conn, obs.run, max(applied, obs.last_step - window // 4), obs.last_step)
+            before = verify.get("loss_before")
+            # ... and only while it is not coming down: a loss still falling fast is a transient, not harm.
+            first = loss_median(conn, obs.run, applied, min(applied + window // 4, obs.last_step))
+            falling = first is not None and after is not None and after < 0.8 * first
+            # Judged on a full window only: an anomaly that clears within a few steps of its fix leaves the loss
+            # where the fault put it, which says nothing yet about the fix (measurement here: a clip applied
+            # after three corrupt batches, flagged at 35 steps and reverted, let the run blow up).
+            full = obs.last_step - applied >= window
+            worse = (full and before is not None and after is not None
+                     and after > before * (1 + self.settings.worse_margin) and not falling)
+            worse_text = f"; loss is worse ({after:.4g} vs {before:.4g} before): revert it" if worse else ""
+            detail = {"loss_before": before, "loss_after": after, "revert_suggested": worse}
+            if early:
+                self._verdict(conn, obs.run, r["id"], FixStatus.ineffective if worse else FixStatus.effective,
+                              f"the anomaly had cleared before the fix (step {r['aresolved']}); over the "
+                              f"{obs.last_step - applied} steps since, the loss is "
+                              + (f"{after:.4g} vs {before:.4g} before" if after is not None and before is not None
+                                 else "not comparable") + worse_text, now, detail)
+            elif resolved:
                 self._verdict(conn, obs.run, r["id"], FixStatus.effective,
-                              f"the anomaly cleared within {obs.last_step - applied} steps of the fix", now)
-            elif obs.last_step >= applied + window:
-                after = loss_median(conn, obs.run, applied, obs.last_step)
-                before = verify.get("loss_before")
-                worse = before is not None and after is not None and after > before * (1 + self.settings.worse_margin)
-                reason = (f"the anomaly still held {obs.last_step - applied} steps after the fix"
-                          + (f"; loss is worse ({after:.4g} vs {before:.4g} before): revert it" if worse else ""))
-                self._verdict(conn, obs.run, r["id"], FixStatus.ineffective, reason, now,
-                              {"loss_before": before, "loss_after": after, "revert_suggested": worse})
+                              f"the anomaly cleared within {obs.last_step - applied} steps of the fix" + worse_text,
+                              now, detail)
+            else:
+                self._verdict(conn, obs.run, r["id"], FixStatus.ineffective,
+                              f"the anomaly still held {obs.last_step - applied} steps after the fix" + worse_text,
+                              now, detail)
 
     @staticmethod
     def _verdict(conn: sqlite3.Connection, run: str, fix_id: str, status: FixStatus, reason: str, now: float,

@@ -167,6 +167,18 @@ PROPOSERS: dict[AnomalyKind, Callable[[sqlite3.Connection, Anomaly], list[Candid
 }
 
 
+from .fix_proposers import install as _install_proposers  # noqa: E402 - builds on the helpers above
+
+_install_proposers(PROPOSERS)
+
+# Actions the job cannot undo (see probes.fixes.IRREVERSIBLE): revert_fix refuses them up front.
+IRREVERSIBLE = {FixAction.rollback}
+# A pending fix the job has not acknowledged after it ran this many sampling intervals (and at least
+# ACK_MIN_STEPS steps) past the request is expired: the job applies commands at its next step boundary,
+# so a live job that keeps stepping without answering is not going to (measurement here: acks arrive
+# within 2 intervals on the suite's jobs).
+ACK_INTERVALS, ACK_MIN_STEPS = 5, 50
+
 from .fixes_distributed import install as _install_distributed  # noqa: E402
 
 _install_distributed(PROPOSERS)
@@ -243,7 +255,8 @@ def apply(store: Store, run: str, fix_id: str, actor: str) -> Fix:
             _audit(conn, run, actor, "apply_refused", fix_id, {"reason": why})
             raise ApiError(409, "job_unavailable", f"{fix_id} was not sent: {why}. Nothing was changed.")
         conn.execute("UPDATE fixes SET status='pending', pending_op='apply', reason=NULL, requested_by=?, "
-                     "updated_at=? WHERE id=?", (actor, now, fix_id))
+                     "updated_at=?, verify=? WHERE id=?",
+                     (actor, now, orjson.dumps({"requested_at_step": row["last_step"]}).decode(), fix_id))
         _audit(conn, run, actor, "apply_requested", fix_id, {"action": fix.action.value})
         return get_fix(conn, run, fix_id)
 
@@ -260,7 +273,17 @@ def revert(store: Store, run: str, fix_id: str, actor: str) -> Fix:
             return get_fix(conn, run, fix_id)
         if fix.status not in (FixStatus.applied, FixStatus.effective, FixStatus.ineffective):
             raise ApiError(409, "not_applied", f"{fix_id} is {fix.status.value}: only an applied fix can be reverted")
-        conn.execute("UPDATE fixes SET pending_op='revert', updated_at=? WHERE id=?", (time.time(), fix_id))
+        if fix.action in IRREVERSIBLE:
+            raise ApiError(409, "irreversible", f"{fix_id} ({fix.action.value}) cannot be undone: the job discards "
+                           "the state a rollback replaces. Roll back again or apply another fix instead.")
+        row = require_run(conn, run)
+        now = time.time()
+        if row["ended"] or now - row["last_seen"] > STALE_AFTER_S:
+            why = ("the job has ended" if row["ended"] else
+                   f"the job has not been heard from for {now - row['last_seen']:.0f}s")
+            _audit(conn, run, actor, "revert_refused", fix_id, {"reason": why})
+            raise ApiError(409, "job_unavailable", f"{fix_id} cannot be reverted: {why}. Nothing was changed.")
+        conn.execute("UPDATE fixes SET pending_op='revert', updated_at=? WHERE id=?", (now, fix_id))
         _audit(conn, run, actor, "revert_requested", fix_id, {})
         return get_fix(conn, run, fix_id)
 
@@ -268,7 +291,51 @@ def revert(store: Store, run: str, fix_id: str, actor: str) -> Fix:
 
 
 def status(store: Store, run: str, fix_id: str) -> Fix:
-    return get_fix(store.read(), run, fix_id)
+    """Where a fix stands. A command the job will not pick up (it ended, went silent for STALE_AFTER_S, or
+    kept stepping without acknowledging) is expired here, with the reason, rather than left waiting."""
+    conn = store.read()
+    fix = get_fix(conn, run, fix_id)
+    row = conn.execute("SELECT pending_op, verify FROM fixes WHERE run=? AND id=?", (run, fix_id)).fetchone()
+    if row["pending_op"] is None or _why_unanswered(require_run(conn, run), row, time.time()) is None:
+        return fix
+
+    def write(conn: sqlite3.Connection) -> Fix:
+        fresh = conn.execute("SELECT pending_op, verify FROM fixes WHERE run=? AND id=?", (run, fix_id)).fetchone()
+        why = _why_unanswered(require_run(conn, run), fresh, time.time()) if fresh["pending_op"] else None
+        if why is not None:
+            expire(conn, run, fix_id, fresh["pending_op"], why)
+        return get_fix(conn, run, fix_id)
+
+    return store.write(write)
+
+
+def _why_unanswered(run_row: sqlite3.Row, fix_row: sqlite3.Row, now: float) -> str | None:
+    if run_row["ended"]:
+        return "the job ended before it picked the command up"
+    if now - run_row["last_seen"] > STALE_AFTER_S:
+        return f"the job has not been heard from for {now - run_row['last_seen']:.0f}s (stale after {STALE_AFTER_S:.0f}s)"
+    asked_at = (orjson.loads(fix_row["verify"]) if fix_row["verify"] else {}).get("requested_at_step")
+    if fix_row["pending_op"] == "apply" and isinstance(asked_at, int):
+        start = orjson.loads(run_row["start"]) if run_row["start"] else {}
+        interval = int((start.get("config") or {}).get("interval") or 50)
+        limit = max(ACK_INTERVALS * interval, ACK_MIN_STEPS)
+        if (run_row["last_step"] or 0) > asked_at + limit:
+            return (f"the job ran {run_row['last_step'] - asked_at} steps since the request without acknowledging "
+                    "it (is its probe too old to know this action?)")
+    return None
+
+
+def expire(conn: sqlite3.Connection, run: str, fix_id: str, op: str, why: str) -> None:
+    """Give up on a command: an apply becomes expired (nothing changed in the job); a revert leaves the fix
+    as it was (still applied), with the reason."""
+    now = time.time()
+    if op == "apply":
+        conn.execute("UPDATE fixes SET status='expired', pending_op=NULL, reason=?, updated_at=? WHERE id=?",
+                     (f"not applied: {why}", now, fix_id))
+    else:
+        conn.execute("UPDATE fixes SET pending_op=NULL, reason=?, updated_at=? WHERE id=?",
+                     (f"not reverted: {why}", now, fix_id))
+    _audit(conn, run, "server", "expired", fix_id, {"op": op, "reason": why})
 
 
 def _audit(conn: sqlite3.Connection, run: str, actor: str, action: str, fix_id: str | None, detail: dict) -> None:

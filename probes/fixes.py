@@ -28,6 +28,18 @@ class Applied:
 
 
 @dataclass
+class Deferred:
+    """An action that needs what the next forward pass shows (which units are dead, say). The probe calls
+    ``finish()`` at each step boundary until it returns an ``Applied`` (or raises ``FixRejected``), then
+    acknowledges; after ``max_steps`` boundaries without one it calls ``cancel()`` and reports a failure."""
+
+    finish: Callable[[], Applied | None]
+    cancel: Callable[[], None]
+    max_steps: int = 5
+    waited: int = 0
+
+
+@dataclass
 class Target:
     """What an action may change: the model, its optimizer, and the probe itself."""
 
@@ -185,10 +197,12 @@ def skip_nonfinite(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> 
 
 
 def _matching(t: Target, pattern: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    if not isinstance(pattern, str) or not pattern:
-        raise FixRejected("parameter 'pattern' must be a parameter name or glob, e.g. 'encoder.*'")
-    found = [(n, p) for n, p in t.model.named_parameters() if fnmatch.fnmatchcase(n, pattern)
-             or n.startswith(pattern + ".")]
+    # A list of names or globs (as an anomaly's tensors come) matches any of them.
+    patterns = pattern if isinstance(pattern, list) and pattern else [pattern]
+    if not all(isinstance(x, str) and x for x in patterns):
+        raise FixRejected("parameter 'pattern' must be a parameter name or glob, e.g. 'encoder.*', or a list of them")
+    found = [(n, p) for n, p in t.model.named_parameters()
+             if any(fnmatch.fnmatchcase(n, x) or n.startswith(x + ".") for x in patterns)]
     if not found:
         raise FixRejected(f"no parameter matches {pattern!r}")
     return found
@@ -231,7 +245,81 @@ def freeze(t: Target, params: Mapping, bounds: Mapping) -> Applied:
 
 
 def unfreeze(t: Target, params: Mapping, bounds: Mapping) -> Applied:
-    return _freeze(t, params, True)
+    """Let the parameters train again: requires_grad on, and, for those the optimizer does not hold (a
+    layer left out when it was built), a new param group with the optimizer's defaults (or ``lr``)."""
+    applied = _freeze(t, params, True)
+    opt = t.optimizer
+    if opt is None:
+        return applied
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    names = applied.after["params"]
+    by_name = dict(t.model.named_parameters())
+    missing = [n for n in names if id(by_name[n]) not in held]
+    if not missing:
+        return applied
+    group: dict[str, Any] = {"params": [by_name[n] for n in missing]}
+    if "lr" in params:
+        group["lr"] = _number(params, "lr", bounds.get("min_lr", 0.0), bounds.get("max_lr", 10.0))
+    opt.add_param_group(group)
+    added = opt.param_groups[-1]
+    undo_flags = applied.undo
+
+    def undo() -> dict:
+        opt.param_groups[:] = [g for g in opt.param_groups if g is not added]
+        for p in added["params"]:
+            opt.state.pop(p, None)
+        return {**(undo_flags() if undo_flags else {}), "in_optimizer": False}
+
+    applied.after["added_to_optimizer"] = missing
+    applied.after["group_lr"] = float(added["lr"])
+    applied.undo = undo
+    return applied
+
+
+def rollback(t: Target, params: Mapping, bounds: Mapping) -> Applied:
+    """Restore the newest good snapshot (taken before ``before_step`` when given): the model's weights and
+    buffers and the optimizer's state, keeping its current hyperparameters (``settings=true``: those of the
+    snapshot too; with ``lr``, then that learning rate for every group). Training goes on with the next batch, so the batches since the snapshot (the one that
+    broke the run among them) are skipped."""
+    buf = getattr(t.probe, "_rollback", None)
+    if buf is None:
+        raise FixRejected("this job keeps no snapshots to roll back to: allow it with a period, e.g. "
+                          "probes.attach(..., allow={'rollback': {'every': 50}, ...})")
+    before_step = params.get("before_step")
+    if before_step is not None:
+        before_step = int(_number(params, "before_step", 0, 2**53))
+    snap = buf.latest(before_step)
+    kept = [s.step for s in buf.snapshots]
+    if snap is None:
+        raise FixRejected("no good snapshot" + (f" from before step {before_step}" if before_step is not None else "")
+                          + f" is kept (kept: steps {kept or 'none'}; one is taken every {buf.every} steps "
+                          "when the loss and weights are finite)")
+    max_back = bounds.get("max_steps_back")
+    now = t.probe.step_count
+    if isinstance(max_back, (int, float)) and now - snap.step > max_back:
+        raise FixRejected(f"the newest usable snapshot is {now - snap.step} steps back; this job allows "
+                          f"at most {max_back}")
+    settings = params.get("settings", False)
+    if not isinstance(settings, bool):
+        raise FixRejected("parameter 'settings' must be true or false")
+    new_lr = _number(params, "lr", bounds.get("min_lr", 0.0), bounds.get("max_lr", 10.0)) if "lr" in params else None
+    lr_now = [float(g["lr"]) for g in t.optimizer.param_groups] if t.optimizer is not None else []
+    buf.restore(snap, settings=settings)
+    if new_lr is not None and t.optimizer is not None:
+        _set_lrs(t.optimizer, {i: new_lr for i in range(len(t.optimizer.param_groups))})
+    # Newer snapshots hold the state just abandoned: a second rollback must not return to it.
+    while buf.snapshots and buf.snapshots[-1].step > snap.step:
+        buf.snapshots.pop()
+    lr_after = [float(g["lr"]) for g in t.optimizer.param_groups] if t.optimizer is not None else []
+    return Applied({"step": now, "snapshots": kept, "lr": lr_now},
+                   {"restored_step": snap.step, "skipped_steps": now - snap.step, "snapshot_loss": snap.loss,
+                    "snapshot_bytes": snap.nbytes, "lr": lr_after}, None)
+
+
+def reinit_dead_units(t: Target, params: Mapping, bounds: Mapping) -> Applied | Deferred:
+    from .reinit import reinit_dead_units as impl  # lives with the forward hook that finds the dead units
+
+    return impl(t, params, bounds)
 
 
 def set_probe(t: Target, params: Mapping, bounds: Mapping) -> Applied:
@@ -264,7 +352,12 @@ ACTIONS: dict[str, Callable[..., Applied]] = {
     "unfreeze": unfreeze,
     "set_probe": set_probe,
     "embedding_grad_scale": embedding_grad_scale,
+    "rollback": rollback,
+    "reinit_dead_units": reinit_dead_units,
 }
+# What cannot be undone: a rollback discards the state it replaced, by design (keeping it would double
+# the memory the job allowed for snapshots).
+IRREVERSIBLE = {"rollback"}
 _HOOKED = {"grad_clip", "skip_nonfinite", "grad_scale", "embedding_grad_scale"}
 
 from .compress_actions import prune, sensitivity  # noqa: E402 - they build on the helpers above
@@ -272,7 +365,7 @@ ACTIONS.update(prune=prune, sensitivity=sensitivity)
 _HOOKED.add("prune")
 
 
-def apply(action: str, target: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
+def apply(action: str, target: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied | Deferred:
     fn = ACTIONS.get(action)
     if fn is None:
         raise FixRejected(f"this version of the probe cannot apply {action!r} live")

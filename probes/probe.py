@@ -22,6 +22,7 @@ from .capture import Capture
 from .amp import ScalerWatch
 from .collect import COLLECTIONS, Collection, HostCopy
 from .context import Clock, Timeline, UserSpan, new_user_spans, world
+from .rollback import RollbackBuffer
 from .sender import Sender
 from .sinks import FileSink, HttpSink, Sink
 from .snapshot import Snapshots
@@ -136,6 +137,9 @@ class Probe:
         # check of its own: the inbox check it already makes covers it.
         self._snapshots = Snapshots(model, self.params, on_ready=lambda: self._inbox.append({"op": "_snapshots"}))
         self.rules = _rule_config(rules)
+        self._deferred: dict[str, tuple[fixes.Deferred, dict]] = {}  # fix_id -> (action waiting, command)
+        # Snapshots for the rollback action, only when the job allows it: allow={"rollback": {"every": K}}.
+        self._rollback = RollbackBuffer.from_allow(model, optimizer, self.allow.get("rollback"))
 
         self._step = 0
         self._closed = False
@@ -194,6 +198,10 @@ class Probe:
             self.step_called = now
             if self._amp is not None:
                 self._amp.observe(step)
+            if self._rollback is not None and self._rollback.due(step):
+                self._rollback.keep(step, loss, [v for _, v in self._losses])
+            if self._deferred:
+                self._finish_deferred(step)
             if self._due:
                 if self._capture is not None:
                     self._capture.pause(True)
@@ -358,6 +366,8 @@ class Probe:
             for h in list(self._target.hooks.values()):
                 h.remove()
             self._snapshots.close()
+            for deferred, _ in self._deferred.values():
+                deferred.cancel()
             self._flush_scalars()
             self._drain_in_flight(wait=True)
             self.sender.put({"kind": "run_end", "step": self._step, "time": time.time(), "reason": "closed"})
@@ -486,8 +496,10 @@ class Probe:
         ack = {"kind": "fix_ack", "step": step, "time": time.time(), "fix_id": fix_id, "op": op}
         if op == "revert":
             applied = self._applied.pop(fix_id, None)
-            if applied is None or applied.undo is None:
+            if applied is None:
                 return {**ack, "status": "failed", "reason": "nothing to revert: the fix was not applied by this job"}
+            if applied.undo is None:
+                return {**ack, "status": "failed", "reason": f"{action!r} cannot be undone"}
             try:
                 restored = applied.undo()
             except Exception as e:  # noqa: BLE001
@@ -502,9 +514,39 @@ class Probe:
             return {**ack, "status": "rejected", "reason": str(e)}
         except Exception as e:  # noqa: BLE001
             return {**ack, "status": "failed", "reason": f"{type(e).__name__}: {e}"}
-        self._applied[fix_id] = applied
-        log.warning("traindx: applied fix %s (%s) at step %d: %s -> %s", fix_id, action, step, applied.before, applied.after)
+        if isinstance(applied, fixes.Deferred):
+            self._deferred[fix_id] = (applied, cmd)
+            return {"kind": "message", "step": step, "time": time.time(), "level": "info",
+                    "text": f"fix {fix_id} ({action}) waits for the next forward pass to see what to change"}
+        return self._applied_ack(ack, action, applied)
+
+    def _applied_ack(self, ack: dict, action: str, applied: fixes.Applied) -> dict:
+        self._applied[ack["fix_id"]] = applied
+        log.warning("traindx: applied fix %s (%s) at step %d: %s -> %s", ack["fix_id"], action, ack["step"],
+                    applied.before, applied.after)
         return {**ack, "status": "applied", "before": _wire(applied.before), "after": _wire(applied.after)}
+
+    def _finish_deferred(self, step: int) -> None:
+        """Complete actions that waited for a forward pass (at the step boundary after it), and acknowledge."""
+        for fix_id, (deferred, cmd) in list(self._deferred.items()):
+            action = str(cmd.get("action"))
+            ack = {"kind": "fix_ack", "step": step, "time": time.time(), "fix_id": fix_id, "op": "apply"}
+            try:
+                applied = deferred.finish()
+            except fixes.FixRejected as e:
+                applied, ack = None, {**ack, "status": "rejected", "reason": str(e)}
+            except Exception as e:  # noqa: BLE001
+                deferred.cancel()
+                applied, ack = None, {**ack, "status": "failed", "reason": f"{type(e).__name__}: {e}"}
+            if applied is None and "status" not in ack:
+                deferred.waited += 1
+                if deferred.waited < deferred.max_steps:
+                    continue
+                deferred.cancel()
+                ack = {**ack, "status": "failed",
+                       "reason": f"the module did not run in {deferred.max_steps} steps, so nothing was changed"}
+            del self._deferred[fix_id]
+            self.sender.put(ack if applied is None else self._applied_ack(ack, action, applied))
 
     # -- setup and failure ---------------------------------------------------------------------------
     def _send_run_start(self) -> None:
