@@ -64,6 +64,8 @@ class Store:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.path = str(self.data_dir / "traindx.sqlite")
         self._writer = _connect(self.path)
+        # Only takes effect on a new file: deleted runs then give their pages back (retention.delete_run).
+        self._writer.execute("PRAGMA auto_vacuum=INCREMENTAL")
         self._writer.executescript(SCHEMA)
         self._local = threading.local()
         self._jobs: queue.Queue[tuple[Callable[[sqlite3.Connection], Any], Future] | None] = queue.Queue()
@@ -71,7 +73,12 @@ class Store:
         self._thread.start()
 
     def integrity(self) -> str:
-        return self.read().execute("PRAGMA quick_check").fetchone()[0]
+        """'ok', or SQLite's description of what is damaged (PRAGMA quick_check)."""
+        try:
+            rows = self.read().execute("PRAGMA quick_check(20)").fetchall()
+        except sqlite3.DatabaseError as e:
+            return f"unreadable: {e}"
+        return "; ".join(r[0] for r in rows)
 
     # -- writes --------------------------------------------------------------------------------------
     def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
