@@ -48,11 +48,15 @@ def _token(ctx: click.Context, param: click.Parameter, value: str | None) -> str
 @click.option("--max-data-mb", type=click.FloatRange(min=1, max=1e9), default=None, envvar="TRAINDX_MAX_DATA_MB",
               help="Size cap of the data directory: a warning from 80%, ingest refused (507; probes spool) at "
                    "the cap. Env: TRAINDX_MAX_DATA_MB.")
+@click.option("--max-pending-ingest", type=click.IntRange(1, 10000), default=16, show_default=True,
+              envvar="TRAINDX_MAX_PENDING_INGEST",
+              help="Ingest requests waiting to be stored at once; beyond it the server answers 503 with Retry-After "
+                   "and probes keep their batches in their spools. Env: TRAINDX_MAX_PENDING_INGEST.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @_data_option
 def serve(host: str, port: int, allow_remote: bool, token: str | None, open_reads: bool, allow_hosts: tuple[str, ...],
-          max_data_mb: float | None, log_level: str, data_dir: Path) -> None:
+          max_data_mb: float | None, max_pending_ingest: int, log_level: str, data_dir: Path) -> None:
     """Serve ingest, the REST API (/v1), MCP over Streamable HTTP (/mcp) and health (/health)."""
     import uvicorn
 
@@ -64,7 +68,7 @@ def serve(host: str, port: int, allow_remote: bool, token: str | None, open_read
         raise click.UsageError(f"--host {host} would expose the server beyond this machine; pass --allow-remote "
                                "to mean it (every route but /health then needs the token)")
     settings = Settings(host=host, port=port, data_dir=data_dir, token=token, open_reads=open_reads,
-                        allowed_hosts=allow_hosts,
+                        allowed_hosts=allow_hosts, max_pending_ingest=max_pending_ingest,
                         max_data_bytes=int(max_data_mb * 1e6) if max_data_mb is not None else None)
     app = create_app(settings)
     services = app.state.services

@@ -122,13 +122,13 @@ class Sender:
                 self._cond.notify()
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until everything queued so far is delivered or spooled. True when delivered."""
+        """Wait until everything queued or spooled so far is delivered (True), or ``timeout`` passes."""
         deadline = time.monotonic() + timeout
         with self._cond:
             self._cond.notify()
-            while (self._queue or self._inflight) and time.monotonic() < deadline:
+            while (self._queue or self._inflight or self.pending_spool) and time.monotonic() < deadline:
                 self._cond.wait(0.05)
-            return not self._queue and not self._inflight and not self._spooled
+            return not self._queue and not self._inflight and not self.pending_spool
 
     def close(self, timeout: float = 10.0) -> None:
         self.flush(timeout)
@@ -203,8 +203,12 @@ class Sender:
 
     def _tick(self, events: list[dict]) -> None:
         now = time.monotonic()
-        if not events and now - self._last_contact < self.heartbeat:
-            return
+        if not events:
+            if self.pending_spool:
+                if now < self._next_try:
+                    return  # backing off; the spool is replayed when the delay is over
+            elif now - self._last_contact < self.heartbeat:
+                return
         batch = {"batch_id": uuid.uuid4().hex, "run": self.run, "seq": self._seq, "events": events}
         self._seq += 1
         self._inflight_batch = batch if events else None
