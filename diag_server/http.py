@@ -118,7 +118,7 @@ def build_router(services: Services) -> APIRouter:
     def health(request: Request) -> Response:
         from . import __version__
         guard = services.size_guard
-        warnings = [w for w in (guard.warning(),) if w]
+        warnings = [w for w in (guard.warning(fresh=True),) if w]
         if services.store_status != "ok":
             warnings.insert(0, f"the store failed its integrity check at start: {services.store_status}")
         return respond(request, Health(version=__version__, schema_version=SCHEMA_VERSION,

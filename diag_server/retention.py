@@ -166,17 +166,17 @@ class SizeGuard:
         self._bytes = 0
         self._warned = False
 
-    def used(self) -> int:
+    def used(self, *, fresh: bool = False) -> int:
         now = time.monotonic()
-        if now - self._measured >= self.every_s:
+        if fresh or now - self._measured >= self.every_s:
             self._bytes = dir_bytes(self.data_dir)
             self._measured = now
         return self._bytes
 
-    def warning(self) -> str | None:
+    def warning(self, *, fresh: bool = False) -> str | None:
         if self.max_bytes is None:
             return None
-        used = self.used()
+        used = self.used(fresh=fresh)
         if used < WARN_FRACTION * self.max_bytes:
             self._warned = False
             return None
