@@ -128,11 +128,25 @@ def delete_run(store: Store, run: str, *, force: bool = False, engine: Any = Non
         counts = {t: conn.execute(f"DELETE FROM {t} WHERE run=?", (run,)).rowcount for t in _RUN_TABLES}
         if engine is not None:
             engine.forget(run)  # its rule state lives in memory too (this runs in the writer thread)
-        conn.execute("PRAGMA incremental_vacuum")  # give the pages back to the disk (auto_vacuum=INCREMENTAL)
         log.warning("traindx: run %r deleted (%s)", run, ", ".join(f"{k}={v}" for k, v in counts.items() if v))
         return counts
 
-    return store.write(write)
+    counts = store.write(write)
+    store.write(_vacuum)
+    return counts
+
+
+def _vacuum(conn: sqlite3.Connection) -> None:
+    """Give the freed pages back to the disk (auto_vacuum=INCREMENTAL, set on new stores).
+
+    The pragma frees one page per step, and Python's ``execute`` steps once: ``executescript`` steps it
+    to the end, outside a transaction, so the writer's empty one is closed around it.
+    """
+    conn.execute("COMMIT")
+    try:
+        conn.executescript("PRAGMA incremental_vacuum; PRAGMA wal_checkpoint(TRUNCATE);")
+    finally:
+        conn.execute("BEGIN IMMEDIATE")
 
 
 # -- size cap ------------------------------------------------------------------------------------------

@@ -52,6 +52,9 @@ CREATE TABLE IF NOT EXISTS rule_state(run TEXT, rule TEXT, state TEXT, PRIMARY K
 def _connect(path: str) -> sqlite3.Connection:
     conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
     conn.row_factory = sqlite3.Row
+    # Only takes effect on a new file, so before WAL writes its header: deleted runs then give their
+    # pages back to the disk (retention.delete_run).
+    conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")  # durable at each WAL checkpoint; a crash loses no committed batch
     conn.execute("PRAGMA busy_timeout=30000")
@@ -64,8 +67,6 @@ class Store:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.path = str(self.data_dir / "traindx.sqlite")
         self._writer = _connect(self.path)
-        # Only takes effect on a new file: deleted runs then give their pages back (retention.delete_run).
-        self._writer.execute("PRAGMA auto_vacuum=INCREMENTAL")
         self._writer.executescript(SCHEMA)
         self._local = threading.local()
         self._jobs: queue.Queue[tuple[Callable[[sqlite3.Connection], Any], Future] | None] = queue.Queue()
