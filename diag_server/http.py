@@ -102,6 +102,9 @@ def build_router(services: Services) -> APIRouter:
     store = services.store
     settings = services.settings
     token = settings.token
+    # One batch parsed at a time: validation holds the GIL, and more of it in parallel only starves the
+    # readers (get_anomalies under load) without storing any faster, since the writer is one thread.
+    parse_limiter = anyio.CapacityLimiter(1)
 
     def require_token(request: Request) -> None:
         # The SecurityMiddleware checks first; this stays on every write route in case a route is ever
@@ -144,7 +147,8 @@ def build_router(services: Services) -> APIRouter:
                 if len(body) > MAX_BODY_BYTES:
                     raise ApiError(413, "body_too_large", f"the body exceeds the limit of {MAX_BODY_BYTES} bytes")
             # Parsing and validating a large batch is CPU work: off the event loop, so queries stay quick.
-            reply = await anyio.to_thread.run_sync(lambda: ingest(store, services.engine, parse_batch(bytes(body))))
+            batch = await anyio.to_thread.run_sync(parse_batch, bytes(body), limiter=parse_limiter)
+            reply = await anyio.to_thread.run_sync(ingest, store, services.engine, batch)
         finally:
             services.pending_ingest -= 1
         return Response(_json(reply), media_type="application/json")
