@@ -16,6 +16,7 @@ import torch
 
 import probes
 from probes.sender import Sender
+from diag_server.store import Store
 from probes.sinks import HttpSink
 
 from badserver import BadServer, closed_port
@@ -36,6 +37,15 @@ def _train(probe: probes.Probe, model: torch.nn.Module, opt: torch.optim.Optimiz
         loss.backward()
         opt.step()
         probe.step(loss=loss)
+
+
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """One server for the tests below that need one running: it pushes back early (2 pending batches)."""
+    srv = make_server(tmp_path_factory.mktemp("busy"), "--max-pending-ingest", "2")
+    srv.start()
+    yield srv
+    srv.stop()
 
 
 def _db(data_dir: Path) -> sqlite3.Connection:
@@ -93,26 +103,24 @@ DEAD_JOB = textwrap.dedent("""
 """)
 
 
-def test_spool_of_a_dead_job_is_replayed_by_the_next_probe(tmp_path: Path) -> None:
+def test_spool_of_a_dead_job_is_replayed_by_the_next_probe(busy, tmp_path: Path) -> None:  # noqa: ANN001
     spool = tmp_path / "spool"
-    srv = make_server(tmp_path)
+    srv = busy
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", DEAD_JOB, srv.url, str(spool)], env=env, timeout=120,
+    down = f"http://127.0.0.1:{closed_port()}"  # the dead job never reached a server
+    proc = subprocess.run([sys.executable, "-c", DEAD_JOB, down, str(spool)], env=env, timeout=120,
                           capture_output=True)
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     [orphan] = list(spool.glob("dead-job.*.spool"))
     with open(orphan, "ab") as fh:  # a torn last line, as a crash mid-write leaves
         fh.write(b'{"batch_id": "torn0000", "run": "dead-job", "seq": 99, "events": [{"kind": "sca')
-    srv.start()
-    try:
-        model, opt = _model()
-        with probes.attach(model, opt, run="next-job", server=srv.url, spool_dir=spool, flush_interval=0.02) as p:
-            _train(p, model, opt, 10)
-        counts = _loss_counts(srv.data_dir, "dead-job")
-        assert sorted(counts) == list(range(60)) and set(counts.values()) == {1}
-        assert not orphan.exists()
-    finally:
-        srv.stop()
+    model, opt = _model()
+    # The next job, of another run, started in the same directory, delivers the dead one's events first.
+    with probes.attach(model, opt, run="next-job", server=srv.url, spool_dir=spool, flush_interval=0.02) as p:
+        _train(p, model, opt, 10)
+    counts = _loss_counts(srv.data_dir, "dead-job")
+    assert sorted(counts) == list(range(60)) and set(counts.values()) == {1}
+    assert not orphan.exists()
 
 
 @pytest.mark.parametrize("mode", ["refuse", "hang", "slow", "garbage", "error", "busy", "reset"])
@@ -149,7 +157,8 @@ def test_replies_the_job_did_not_ask_for_change_nothing(tmp_path: Path) -> None:
     assert opt.param_groups[0]["lr"] == 0.01
 
 
-def test_a_full_queue_is_counted_and_reported_to_the_server_later(tmp_path: Path, server) -> None:  # noqa: ANN001
+def test_a_full_queue_is_counted_and_reported_to_the_server_later(tmp_path: Path, busy) -> None:  # noqa: ANN001
+    server = busy
     gate = threading.Event()
 
     class Slow(HttpSink):
@@ -170,39 +179,34 @@ def test_a_full_queue_is_counted_and_reported_to_the_server_later(tmp_path: Path
     assert latest["probe/dropped_events"] == sender.dropped
 
 
-def test_eight_jobs_at_once_with_back_pressure_lose_nothing(tmp_path: Path) -> None:
-    srv = make_server(tmp_path, "--max-pending-ingest", "2")
-    srv.start()
-    try:
-        senders = [Sender(HttpSink(srv.url), f"load-{j}", spool_dir=tmp_path / "spool", max_batch=200,
-                          flush_interval=0.005) for j in range(8)]
+def test_eight_jobs_at_once_with_back_pressure_lose_nothing(tmp_path: Path, busy) -> None:  # noqa: ANN001
+    senders = [Sender(HttpSink(busy.url), f"load-{j}", spool_dir=tmp_path / "spool", max_batch=200,
+                      flush_interval=0.005) for j in range(8)]
 
-        def stream(s: Sender) -> None:
-            for i in range(1500):
-                s.put({"kind": "scalars", "step": i, "time": 1.0, "values": {"loss": float(i)}})
+    def stream(s: Sender) -> None:
+        for i in range(1500):
+            s.put({"kind": "scalars", "step": i, "time": 1.0, "values": {"loss": float(i)}})
 
-        threads = [threading.Thread(target=stream, args=(s,)) for s in senders]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for s in senders:
-            assert s.flush(120)
-            s.close()
-        for j in range(8):
-            counts = _loss_counts(srv.data_dir, f"load-{j}")
-            assert sorted(counts) == list(range(1500)) and set(counts.values()) == {1}
-    finally:
-        srv.stop()
+    threads = [threading.Thread(target=stream, args=(s,)) for s in senders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in senders:
+        assert s.flush(120)
+        s.close()
+    for j in range(8):
+        counts = _loss_counts(busy.data_dir, f"load-{j}")
+        assert sorted(counts) == list(range(1500)) and set(counts.values()) == {1}
 
 
 def test_a_damaged_store_is_reported_at_start(tmp_path: Path) -> None:
     srv = make_server(tmp_path)
-    srv.start()
-    model, opt = _model()
-    with probes.attach(model, opt, run="r", server=srv.url, interval=1, spool_dir=tmp_path / "spool") as p:
-        _train(p, model, opt, 60)
-    srv.stop()
+    store = Store(srv.data_dir)
+    store.write(lambda conn: conn.executemany(
+        "INSERT INTO scalars(run, step, name, value, time) VALUES ('r', ?, 'loss', 1.0, 1.0)",
+        [(i,) for i in range(20000)]))
+    store.close()
     db = srv.data_dir / "traindx.sqlite"
     with sqlite3.connect(db) as conn:  # everything into the main file, so the damage is not masked by the WAL
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
