@@ -104,6 +104,8 @@ class Sender:
         self._spooled = False
         self._orphans = self._find_orphan_spools()
         self._failures = 0
+        self._away_failures = 0  # deliveries that failed with no Retry-After: the server is away (flush watches it)
+        self._server_asked_pause = False  # the current back-off is the server's Retry-After
         self._next_try = 0.0
         self._last_contact = 0.0
         self._stop = False
@@ -122,11 +124,20 @@ class Sender:
                 self._cond.notify()
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until everything queued or spooled so far is delivered (True), or ``timeout`` passes."""
+        """Deliver everything queued or spooled so far: True when it all reached the server.
+
+        Returns early, False, when a delivery tried after the call fails: the server is away, and what
+        is left is safe in the spool (a job ending during an outage does not wait out ``timeout``).
+        """
         deadline = time.monotonic() + timeout
         with self._cond:
+            failures_before = self._away_failures
+            if not self._server_asked_pause:
+                self._next_try = 0.0  # try now, even while backing off (not when the server asked for the pause)
             self._cond.notify()
             while (self._queue or self._inflight or self.pending_spool) and time.monotonic() < deadline:
+                if not self._queue and not self._inflight and self._away_failures > failures_before:
+                    break  # (a busy server, answering 429/503 with Retry-After, is not away: keep waiting)
                 self._cond.wait(0.05)
             return not self._queue and not self._inflight and not self.pending_spool
 
@@ -248,13 +259,17 @@ class Sender:
         return True
 
     def _failed(self, err: Exception) -> None:
+        asked = getattr(err, "retry_after", None)
         if self._failures == 0:
-            log.warning("traindx: server unreachable (%s); spooling to %s", err, self.spool_path)
+            log.warning("traindx: server %s (%s); spooling to %s", "busy" if asked is not None else "unreachable",
+                        err, self.spool_path)
         self._failures += 1
         delay = min(0.25 * 2 ** min(self._failures, 5), 5.0)
-        asked = getattr(err, "retry_after", None)
+        self._server_asked_pause = asked is not None
         if asked is not None:  # the server's back-pressure: honour it
             delay = max(delay, asked)
+        else:
+            self._away_failures += 1
         self._next_try = time.monotonic() + delay
 
     def _spool(self, batch: dict) -> None:

@@ -90,7 +90,7 @@ class HttpSink:
             # Not the batch's fault: a missing or wrong token, or a Host the server does not accept. The
             # batch is kept (spooled) until someone fixes the configuration.
             raise SinkError(f"{self.server} refused us ({r.status_code}): {r.text[:300]}; set TRAINDX_TOKEN "
-                            "to the server's token (in its DATA/token)", 5.0)
+                            "to the server's token (in its DATA/token)")
         if r.status_code >= 400:
             # A 4xx will not get better on retry: the batch is malformed. Report, do not spool forever.
             raise RejectedBatch(f"{self.server} refused the batch ({r.status_code}): {r.text[:500]}")

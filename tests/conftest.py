@@ -52,7 +52,7 @@ class ServerProcess:
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, **kwargs)
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 120.0) -> None:  # generous: the CI machine may be loaded
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **(self.env or {})}
         env = {k: v for k, v in env.items() if v is not None}
