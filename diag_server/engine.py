@@ -23,8 +23,11 @@ _SEVERITY_ORDER = {Severity.info.value: 0, Severity.warning.value: 1, Severity.c
 class EngineSettings:
     # An anomaly is resolved when its rule has not reported it for this many sampling intervals.
     resolve_after_intervals: int = 3
-    # A fix is judged this many sampling intervals after it was applied (sooner if its anomaly clears).
+    # A fix is judged this many sampling intervals (and at least verify_min_steps) after it was applied,
+    # sooner if its anomaly clears. 200 steps: the demo's loss needs ~100 steps to settle after a
+    # learning-rate fix, and the anomaly another 3 intervals to resolve (measurement here).
     verify_after_intervals: int = 6
+    verify_min_steps: int = 200
     # A fix after which the loss median is this much higher than before is flagged for revert.
     worse_margin: float = 0.10
     rule_params: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -105,7 +108,7 @@ class Engine:
                             "WHERE f.run=? AND f.status='applied'", (obs.run,)).fetchall()
         for r in rows:
             applied = r["applied_step"] or 0
-            window = self.settings.verify_after_intervals * obs.interval
+            window = max(self.settings.verify_after_intervals * obs.interval, self.settings.verify_min_steps)
             verify = orjson.loads(r["verify"]) if r["verify"] else {}
             if r["astatus"] == AnomalyStatus.resolved.value:
                 self._verdict(conn, obs.run, r["id"], FixStatus.effective,

@@ -14,13 +14,11 @@ from schemas.events import Command, FixAck, IngestBatch, IngestReply, RunStart, 
 from .engine import Engine, loss_median
 from .errors import ApiError
 from .rules import Observations
-from .store import Store
+from .store import STAT_COLUMNS, Store
 
 MAX_BODY_BYTES = 32 << 20  # a full batch of the largest events fits well inside this
 DEFAULT_INTERVAL = 50
 
-_STAT_COLUMNS = ("numel", "norm", "mean", "std", "min", "max", "nan_count", "inf_count", "zero_frac",
-                 "dead_frac", "saturated_frac", "update_ratio")
 
 
 def parse_batch(body: bytes) -> IngestBatch:
@@ -74,7 +72,7 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
         elif isinstance(ev, TensorStats):
             rows = [r.model_dump() for r in ev.rows]
             obs.stats.setdefault(ev.collection.value, {})[ev.step] = rows
-            stat_rows.extend((run, ev.step, ev.collection.value, r["name"], *(r[c] for c in _STAT_COLUMNS))
+            stat_rows.extend((run, ev.step, ev.collection.value, r["name"], *(r[c] for c in STAT_COLUMNS))
                              for r in rows)
         elif isinstance(ev, RunStart):
             conn.execute("UPDATE runs SET start=?, ended=0 WHERE run=?", (ev.model_dump_json(), run))
@@ -90,8 +88,8 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
     for series in obs.scalars.values():  # events of one batch may interleave steps
         series.sort(key=lambda p: p[0])
     conn.executemany("INSERT INTO scalars(run, step, name, value, time) VALUES (?,?,?,?,?)", scalar_rows)
-    conn.executemany(f"INSERT INTO stats(run, step, collection, tensor, {', '.join(_STAT_COLUMNS)}) "
-                     f"VALUES ({', '.join('?' * (4 + len(_STAT_COLUMNS)))})", stat_rows)
+    conn.executemany(f"INSERT INTO stats(run, step, collection, tensor, {', '.join(STAT_COLUMNS)}) "
+                     f"VALUES ({', '.join('?' * (4 + len(STAT_COLUMNS)))})", stat_rows)
     conn.execute("UPDATE runs SET last_step=max(last_step, ?) WHERE run=?", (last_step, run))
     engine.process(conn, obs, now)
     return IngestReply(accepted=len(batch.events), commands=pending_commands(conn, run))

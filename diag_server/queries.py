@@ -13,7 +13,7 @@ from schemas.records import (Anomaly, AnomalyPage, AuditEntry, AuditTrail, Fix, 
                              Series, SeriesPoint)
 
 from .errors import ApiError
-from .store import Store
+from .store import STAT_COLUMNS, Store
 
 # A run that has sent nothing (not even a heartbeat) for this long is 'stale': its job is gone or stuck.
 STALE_AFTER_S = 30.0
@@ -168,9 +168,8 @@ def series(store: Store, run: str, name: str, *, max_points: int = 500, collecti
     if collection is None:
         rows = conn.execute("SELECT step, value FROM scalars WHERE run=? AND name=? ORDER BY step", (run, name)).fetchall()
     else:
-        from .ingest import _STAT_COLUMNS
-        if field not in _STAT_COLUMNS:
-            raise ApiError(422, "invalid_parameter", f"field must be one of {', '.join(_STAT_COLUMNS)}")
+        if field not in STAT_COLUMNS:
+            raise ApiError(422, "invalid_parameter", f"field must be one of {', '.join(STAT_COLUMNS)}")
         rows = conn.execute(f"SELECT step, {field} FROM stats WHERE run=? AND collection=? AND tensor=? ORDER BY step",
                             (run, collection, name)).fetchall()
     points = [SeriesPoint(step=r[0], value=r[1]) for r in rows]

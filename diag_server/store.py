@@ -16,6 +16,10 @@ from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 
+# Columns of the stats table beyond (run, step, collection, tensor), in StatRow's field order.
+STAT_COLUMNS = ("numel", "norm", "mean", "std", "min", "max", "nan_count", "inf_count", "zero_frac",
+                "dead_frac", "saturated_frac", "update_ratio")
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS runs(

@@ -7,6 +7,7 @@ runs. Results stay on the tensors' device until one stacked copy to the host.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, Callable
@@ -55,9 +56,14 @@ class Collection:
     def __init__(self, probe: Any, interval: int) -> None:
         self.probe = probe
         self.interval = interval
+        self._handles: list[Any] = []  # one-shot hooks armed for the coming sampled step
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0
+
+    def next_due(self, step: int) -> int:
+        """The first step >= ``step`` this collection samples."""
+        return -(-step // self.interval) * self.interval
 
     def arm(self, step: int) -> None:
         """Called at the end of step ``step - 1`` when ``due(step)``: register one-shot hooks."""
@@ -65,8 +71,13 @@ class Collection:
     def collect(self, step: int) -> list[HostCopy]:
         return []
 
+    def disarm(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
     def close(self) -> None:
-        pass
+        self.disarm()
 
 
 class Weights(Collection):
@@ -108,18 +119,12 @@ class Updates(Collection):
         self._before: list[torch.Tensor] | None = None
         self._names: list[str] = []
         self._result: torch.Tensor | None = None
-        self._handles: list[Any] = []
 
     def arm(self, step: int) -> None:
         opt = self.probe.optimizer
         if opt is None:
             return
         self._handles = [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
-
-    def _disarm(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     def _pre(self, *_: Any) -> None:
         named = [(n, p) for n, p in self.probe.params if p.grad is not None]
@@ -138,7 +143,7 @@ class Updates(Collection):
         self._before = None
 
     def collect(self, step: int) -> list[HostCopy]:
-        self._disarm()
+        self.disarm()
         out = []
         if self._result is not None:
             out.append(HostCopy(self.name, step, self._names, self._result, _update_rows))
@@ -173,26 +178,38 @@ def _activation_rows(names: list[str], raw: list[list[float]]) -> list[dict]:
 
 
 def _activation_stats(y: torch.Tensor, module: torch.nn.Module | None) -> torch.Tensor:
-    """Ten numbers for one activation tensor, kept on its device."""
-    y = y.detach().float()
-    finite = torch.isfinite(y)
-    yf = torch.where(finite, y, torch.zeros((), device=y.device))
-    inf = torch.tensor(float("inf"), device=y.device)
-    dead = torch.tensor(-1.0, device=y.device)
-    sat = torch.tensor(-1.0, device=y.device)
+    """Ten numbers for one activation tensor, kept on its device (see _ACT_FIELDS)."""
+    y = y.detach()
+    if not y.is_floating_point() or y.dtype in (torch.float16, torch.bfloat16):
+        y = y.float()
+    dev = y.device
+    dead = sat = -1.0
     if module is not None and isinstance(module, _RELU_FAMILY) and y.dim() >= 2:
         # A unit is dead when it is <= 0 for every sample of the batch. Units are features (B, F),
         # channels (B, C, H, W) or, for sequences (B, T, D), the last dimension.
         dim = -1 if y.dim() == 3 else 1
-        alive = (y > 0).movedim(dim, 0).reshape(y.shape[dim], -1).any(dim=1)
-        dead = 1.0 - alive.float().mean()
+        peak = y.movedim(dim, 0).reshape(y.shape[dim], -1).amax(dim=1)
+        dead = 1.0 - (peak > 0).float().mean()
     elif module is not None and type(module) in _BOUNDED:
         lo, hi = _BOUNDED[type(module)]
         band = SATURATION_MARGIN * (hi - lo)
         sat = ((y <= lo + band) | (y >= hi - band)).float().mean()
+    n = float(y.numel())
+    if not y.is_cuda:
+        # On the host a branch is free: finite activations (the usual case) skip the masked passes.
+        ss = float(torch.linalg.vector_norm(y)) ** 2
+        if math.isfinite(ss):
+            lo_, hi_ = torch.aminmax(y)
+            zeros = n - float(torch.count_nonzero(y))
+            return torch.tensor([float(y.sum()), ss, 0.0, 0.0, zeros, float(lo_), float(hi_), n,
+                                 float(dead), float(sat)])
+    finite = torch.isfinite(y)
+    yf = torch.where(finite, y, torch.zeros((), device=dev))
+    inf = torch.tensor(float("inf"), device=dev)
+    as_t = lambda v: v.float() if isinstance(v, torch.Tensor) else torch.tensor(float(v), device=dev)  # noqa: E731
     return torch.stack([yf.sum(), (yf * yf).sum(), torch.isnan(y).sum().float(), torch.isinf(y).sum().float(),
                         (y == 0).sum().float(), torch.where(finite, y, inf).min(), torch.where(finite, y, -inf).max(),
-                        torch.tensor(float(y.numel()), device=y.device), dead, sat])
+                        torch.tensor(n, device=dev), as_t(dead), as_t(sat)])
 
 
 class Activations(Collection):
@@ -202,7 +219,6 @@ class Activations(Collection):
 
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
-        self._handles: list[Any] = []
         self._names: list[str] = []
         self._stats: list[torch.Tensor] = []
         self._done = False
@@ -238,13 +254,8 @@ class Activations(Collection):
         self._record("<output>", out, None)
         self._done = True  # one forward per sampled step; later forwards (eval) are not this step's
 
-    def _disarm(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
     def collect(self, step: int) -> list[HostCopy]:
-        self._disarm()
+        self.disarm()
         if not self._stats:
             return []
         stacked = torch.stack(self._stats, dim=1)
@@ -271,7 +282,6 @@ class System(Collection):
 
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
-        self._handles: list[Any] = []
         self._marks: dict[str, float] = {}
 
     def arm(self, step: int) -> None:
@@ -288,9 +298,7 @@ class System(Collection):
         self._marks.setdefault(key, time.perf_counter())
 
     def collect(self, step: int) -> list[HostCopy]:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.disarm()
         p, m, out = self.probe, self._marks, {}
         if p.steps_timed:
             out["sys/step_time"] = p.step_time_sum / p.steps_timed

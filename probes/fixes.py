@@ -99,7 +99,11 @@ def set_lr(t: Target, params: Mapping, bounds: Mapping) -> Applied:
 
 def _step_pre_hook(t: Target, fix_id: str, fn: Callable[[], None]) -> Undo:
     opt = _need_optimizer(t)
-    handle = opt.register_step_pre_hook(lambda *_: fn())
+
+    def hook(*_: Any) -> None:  # a step pre-hook that returns anything but None replaces the step's args
+        fn()
+
+    handle = opt.register_step_pre_hook(hook)
     t.hooks[fix_id] = handle
 
     def undo() -> dict:

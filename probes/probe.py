@@ -8,6 +8,7 @@ collection samples does nothing but count, keep a reference to the loss, and bra
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -47,8 +48,9 @@ def _default_run() -> str:
 
 
 def _as_float(x: Any) -> float | None:
-    v = float(x.detach().float().item()) if isinstance(x, torch.Tensor) else float(x)
-    return v if v == v and v not in (float("inf"), float("-inf")) else None
+    """A finite float, or None for NaN/Inf (the wire's null). Raises TypeError for what is not a number."""
+    v = float(x.detach().float().mean().item()) if isinstance(x, torch.Tensor) else float(x)
+    return v if math.isfinite(v) else None
 
 
 class Probe:
@@ -117,6 +119,7 @@ class Probe:
         self.steps_timed = 0
         self.prev_end: float | None = None
         self._due: list[Collection] = []
+        self._next_due = 0
         self._send_run_start()
         self._arm(0)
         self.prev_end = time.perf_counter()
@@ -145,12 +148,14 @@ class Probe:
                 self._user_scalars.append((step, scalars))
             if self._due:
                 self._sample(step)
+                self._due = []
             elif len(self._losses) >= MAX_BUFFERED_LOSSES:
                 self._flush_scalars()
             if self._inbox:
                 self._apply_commands(step)
             self._step = step + 1
-            self._arm(step + 1)
+            if step + 1 >= self._next_due:
+                self._arm(step + 1)
         except Exception as e:  # noqa: BLE001 - the training job comes first
             self._degrade("step", e)
             self._step = step + 1
@@ -172,6 +177,7 @@ class Probe:
         for c in self.collections:
             if c.name not in self._fixed_interval:
                 c.interval = interval
+        self._next_due = min((c.next_due(self._step + 1) for c in self.collections), default=2**62)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Send everything measured so far; True when it reached the server."""
@@ -205,7 +211,10 @@ class Probe:
 
     # -- sampling ------------------------------------------------------------------------------------
     def _arm(self, step: int) -> None:
+        """Arm the collections due at ``step``; note the next step any collection is due, so the steps
+        in between cost one comparison."""
         self._due = [c for c in self.collections if c.due(step)]
+        self._next_due = min((c.next_due(step + 1) for c in self.collections), default=2**62)
         for c in self._due:
             c.arm(step)
 
@@ -221,26 +230,37 @@ class Probe:
 
     def _flush_scalars(self, sampled_step: int | None = None) -> None:
         """Send buffered losses and scalars. One host sync for all the loss tensors of the interval."""
+        losses, self._losses = self._losses, []
+        user, self._user_scalars = self._user_scalars, []
         by_step: dict[int, dict[str, float | None]] = {}
-        if self._losses:
-            tensors = [(s, v) for s, v in self._losses if isinstance(v, torch.Tensor)]
-            if tensors:
-                values = torch.stack([v.float().reshape(()) for _, v in tensors]).tolist()
-                for (s, _), v in zip(tensors, values):
-                    by_step.setdefault(s, {})["loss"] = v if v == v and abs(v) != float("inf") else None
-            for s, v in self._losses:
-                if not isinstance(v, torch.Tensor):
-                    by_step.setdefault(s, {})["loss"] = _as_float(v)
-            self._losses = []
-        for s, values in self._user_scalars:
-            by_step.setdefault(s, {}).update({k: _as_float(v) for k, v in values.items()})
-        self._user_scalars = []
+        tensors = [(s, v) for s, v in losses if isinstance(v, torch.Tensor)]
+        if tensors:
+            # A non-scalar loss (per-sample values) is reported as its mean.
+            values = torch.stack([v.float().mean() for _, v in tensors]).tolist()
+            for (s, _), v in zip(tensors, values):
+                by_step.setdefault(s, {})["loss"] = v if math.isfinite(v) else None
+        bad: list[str] = []
+        for s, v in losses:
+            if not isinstance(v, torch.Tensor):
+                self._put_scalar(by_step, s, "loss", v, bad)
+        for s, values in user:
+            for k, v in values.items():
+                self._put_scalar(by_step, s, k, v, bad)
         if self.pending_scalars and sampled_step is not None:
             by_step.setdefault(sampled_step, {}).update(self.pending_scalars)
             self.pending_scalars = {}
         now = time.time()
         for s in sorted(by_step):
             self.sender.put({"kind": "scalars", "step": s, "time": now, "values": by_step[s]})
+        if bad:
+            self._degrade("scalars", TypeError(f"not a number, dropped: {', '.join(sorted(set(bad)))}"))
+
+    @staticmethod
+    def _put_scalar(by_step: dict, step: int, name: str, value: Any, bad: list[str]) -> None:
+        try:
+            by_step.setdefault(step, {})[name] = _as_float(value)
+        except (TypeError, ValueError, RuntimeError):
+            bad.append(name)
 
     def _drain_in_flight(self, *, wait: bool) -> None:
         keep = []
@@ -334,6 +354,7 @@ class Probe:
             log.warning("traindx: %d probe errors; sampling switched off for this run", self._errors)
             self.collections = []
             self._due = []
+            self._next_due = 2**62
 
 
 def _hyper(v: Any) -> Any:

@@ -1,0 +1,1 @@
+"""Agents that drive a traindx server over a real MCP client, and recorded sessions that tests replay."""

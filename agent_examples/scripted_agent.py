@@ -1,0 +1,149 @@
+"""A scripted agent: watch a run, find what went wrong, fix it, check the fix worked, revert if it did not.
+
+It uses nothing but the official MCP client and the server's tools, exactly as an AI assistant would:
+
+    python -m agent_examples.scripted_agent --server http://127.0.0.1:8765/mcp --run exp-1
+    python -m agent_examples.scripted_agent --stdio --data .traindx --run exp-1
+
+Over stdio it launches `traindx mcp` itself (reading the same data directory as the running server,
+which is where the job's probe sends its events and picks up fixes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp_types import Implementation
+
+FINAL = {"effective", "ineffective", "rejected", "failed", "expired", "reverted"}
+
+
+class ToolFailed(Exception):
+    pass
+
+
+@dataclass
+class Outcome:
+    run: str
+    anomaly: dict | None = None
+    diagnosis: dict | None = None
+    fix: dict | None = None
+    verdict: str | None = None
+    reverted: bool = False
+    detected_at: float | None = None
+    applied_at: float | None = None
+    log: list[str] = field(default_factory=list)
+
+
+async def call(client: Client, tool: str, **args: Any) -> dict:
+    result = await client.call_tool(tool, {k: v for k, v in args.items() if v is not None})
+    if result.is_error:
+        text = " ".join(getattr(c, "text", "") for c in result.content)
+        raise ToolFailed(f"{tool}: {text}")
+    return result.structured_content
+
+
+async def wait_for_anomaly(client: Client, run: str, *, timeout: float, poll: float) -> dict | None:
+    """The most urgent open anomaly of warning or critical severity, once one appears."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            page = await call(client, "get_anomalies", run=run, status="open", limit=20)
+        except ToolFailed as e:
+            if "unknown_run" not in str(e):
+                raise
+            page = {"anomalies": []}  # the job has not sent its first batch yet
+        urgent = [a for a in page["anomalies"] if a["severity"] in ("warning", "critical")]
+        if urgent:
+            return urgent[0]
+        await asyncio.sleep(poll)
+    return None
+
+
+async def triage(client: Client, run: str, *, timeout: float = 60.0, poll: float = 0.25,
+                 verdict_timeout: float = 60.0, say: Callable[[str], None] = print) -> Outcome:
+    out = Outcome(run=run)
+
+    def note(msg: str) -> None:
+        out.log.append(msg)
+        say(msg)
+
+    anomaly = await wait_for_anomaly(client, run, timeout=timeout, poll=poll)
+    if anomaly is None:
+        note(f"no anomaly of warning or critical severity in {timeout:.0f}s: the run looks healthy")
+        return out
+    out.detected_at = time.monotonic()
+    note(f"anomaly {anomaly['id']} ({anomaly['kind']}, {anomaly['severity']}) at step {anomaly['first_step']}: "
+         f"{anomaly['message']}")
+    diagnosis = await call(client, "diagnose", run=run)
+    out.diagnosis = diagnosis
+    note(f"diagnosis: {diagnosis['summary']}")
+    # Fix the root cause the diagnosis ranks first; its consequences usually clear with it.
+    target_id = diagnosis["causes"][0]["anomaly_id"] if diagnosis["causes"] else anomaly["id"]
+    proposals = (await call(client, "propose_fix", run=run, anomaly_id=target_id))["fixes"]
+    live = [f for f in proposals if f["live"] and f["status"] in ("proposed", "rejected", "expired", "reverted")]
+    for f in proposals:
+        note(f"  proposal {f['id']} rank {f['rank']}: {f['action']} {f['params']} - {f['rationale']}")
+    for fix in live:
+        applied = await call(client, "apply_fix", run=run, fix_id=fix["id"])
+        note(f"apply_fix {fix['id']} ({fix['action']} {fix['params']}): {applied['status']}")
+        status = await _wait_status(client, run, fix["id"], {"applied", *FINAL}, verdict_timeout, poll)
+        if status["status"] in ("rejected", "failed", "expired"):
+            note(f"  {fix['id']} {status['status']}: {status['reason']}; trying the next proposal")
+            continue
+        out.applied_at = time.monotonic()
+        note(f"  {fix['id']} applied at step {status['applied_step']}: {status['before']} -> {status['after']}")
+        status = await _wait_status(client, run, fix["id"], FINAL, verdict_timeout, poll)
+        out.fix, out.verdict = status, status["status"]
+        note(f"  verdict: {status['status']} ({status['reason']})")
+        if status["status"] == "ineffective" and "revert" in (status["reason"] or ""):
+            reverted = await call(client, "revert_fix", run=run, fix_id=fix["id"])
+            out.reverted = True
+            note(f"  reverted {fix['id']}: {reverted['status']}")
+        break
+    return out
+
+
+async def _wait_status(client: Client, run: str, fix_id: str, until: set[str], timeout: float, poll: float) -> dict:
+    deadline = time.monotonic() + timeout
+    status = await call(client, "get_fix_status", run=run, fix_id=fix_id)
+    while status["status"] not in until and time.monotonic() < deadline:
+        await asyncio.sleep(poll)
+        status = await call(client, "get_fix_status", run=run, fix_id=fix_id)
+    return status
+
+
+def connect(server: str | None = None, *, stdio_data: str | None = None, name: str = "traindx-scripted-agent") -> Client:
+    """An MCP client over Streamable HTTP (a URL ending in /mcp) or over stdio (`traindx mcp`)."""
+    info = Implementation(name=name, version="1")
+    if stdio_data is not None:
+        params = StdioServerParameters(command=sys.executable, args=["-m", "diag_server.cli", "mcp", "--data", stdio_data])
+        return Client(params, client_info=info)
+    return Client(server, client_info=info)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    async with connect(args.server, stdio_data=args.data if args.stdio else None) as client:
+        out = await triage(client, args.run, timeout=args.timeout)
+    return 0 if out.verdict in (None, "effective") else 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--server", default="http://127.0.0.1:8765/mcp", help="MCP endpoint (Streamable HTTP)")
+    p.add_argument("--stdio", action="store_true", help="launch `traindx mcp` and talk to it over stdio")
+    p.add_argument("--data", default=".traindx", help="data directory for --stdio")
+    p.add_argument("--run", required=True)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for an anomaly")
+    sys.exit(asyncio.run(main_async(p.parse_args())))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Step-time overhead of the probe, measured side by side against the same loop without it.
+
+    python benchmarks/overhead.py                 # default config, MLP (~186k params) and a 2-layer transformer
+    python benchmarks/overhead.py --every-step    # every collection on, every step
+    python benchmarks/overhead.py --rss           # peak RSS with and without the probe (separate processes)
+
+Arms alternate within one run (off, on, off, on, ...) and the figure is the ratio of the median step
+times, so machine noise hits both arms alike. Events go to a real `traindx serve` on a free port
+(--sink memory keeps them in the process instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import probes  # noqa: E402
+from probes.sinks import MemorySink  # noqa: E402
+
+
+def mlp() -> tuple[torch.nn.Module, callable]:
+    model = torch.nn.Sequential(torch.nn.Linear(128, 320), torch.nn.ReLU(), torch.nn.Linear(320, 320), torch.nn.ReLU(),
+                                torch.nn.Linear(320, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    x, y = torch.randn(64, 128), torch.randint(0, 10, (64,))
+    return model, lambda m: torch.nn.functional.cross_entropy(m(x), y)
+
+
+def transformer() -> tuple[torch.nn.Module, callable]:
+    layer = torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=256, batch_first=True, dropout=0.0)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False),
+                                torch.nn.Linear(128, 10))
+    x, y = torch.randn(16, 32, 128), torch.randint(0, 10, (16, 32))
+    return model, lambda m: torch.nn.functional.cross_entropy(m(x).reshape(-1, 10), y.reshape(-1))
+
+
+MODELS = {"mlp": mlp, "transformer": transformer}
+
+
+def time_steps(model, loss_fn, opt, probe, steps: int) -> float:
+    """Mean step time over ``steps`` steps, in seconds: the mean, not the median, so the sampled steps
+    (one in fifty by default) are paid for in the figure."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model)
+        loss.backward()
+        opt.step()
+        if probe is not None:
+            probe.step(loss=loss)
+    return (time.perf_counter() - t0) / steps
+
+
+def measure(name: str, *, server: str | None, repeats: int, steps: int, every_step: bool) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model, loss_fn = MODELS[name]()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    kwargs = {"interval": 1} if every_step else {}
+    time_steps(model, loss_fn, opt, None, 50)  # warm-up
+    off, on = [], []
+    for _ in range(repeats):
+        off.append(time_steps(model, loss_fn, opt, None, steps))
+        p = probes.attach(model, opt, run=f"overhead-{name}", **({"sink": MemorySink()} if server is None else
+                                                                  {"server": server}), **kwargs)
+        time_steps(model, loss_fn, opt, p, 5)
+        on.append(time_steps(model, loss_fn, opt, p, steps))
+        p.close()
+        gc.collect()
+    return statistics.median(off), statistics.median(on)
+
+
+def peak_rss(with_probe: bool, steps: int) -> float:
+    code = f"""
+import sys, resource, torch
+sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / 'benchmarks')!r})
+from overhead import mlp, time_steps
+import probes
+from probes.sinks import MemorySink
+torch.manual_seed(0)
+model, loss_fn = mlp()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+probe = probes.attach(model, opt, run="rss", sink=MemorySink()) if {with_probe} else None
+time_steps(model, loss_fn, opt, probe, {steps})
+if probe: probe.close()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=[*MODELS, "all"], default="all")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=300, help="steps per arm and repeat")
+    ap.add_argument("--every-step", action="store_true", help="every collection on, sampled every step")
+    ap.add_argument("--sink", choices=["http", "memory"], default="http")
+    ap.add_argument("--rss", action="store_true", help="measure peak RSS instead (MLP, memory sink)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # one core per arm: the machine is small and shared
+    if args.rss:
+        base, with_probe = peak_rss(False, 2000), peak_rss(True, 2000)
+        print(f"peak RSS, MLP, 2000 steps: without probe {base:.1f} MB, with probe {with_probe:.1f} MB, "
+              f"increase {with_probe - base:+.1f} MB (target <= 50 MB)")
+        return
+    server_proc, server = None, None
+    if args.sink == "http":
+        from diag_server.demo import _free_port, start_server
+        port = _free_port()
+        server_proc = start_server(tempfile.mkdtemp(prefix="traindx-bench-"), port)
+        server = f"http://127.0.0.1:{port}"
+        os.environ["TRAINDX_SPOOL"] = tempfile.mkdtemp(prefix="traindx-spool-")
+    try:
+        config = "every collection, every step" if args.every_step else f"default (interval {probes.DEFAULT_INTERVAL})"
+        target = 1.5 if args.every_step else 1.02
+        print(f"probe overhead, {config}, sink={args.sink}, {args.repeats} alternating repeats x {args.steps} steps")
+        for name in (MODELS if args.model == "all" else [args.model]):
+            off, on = measure(name, server=server, repeats=args.repeats, steps=args.steps, every_step=args.every_step)
+            print(f"  {name:12s} no probe {off * 1e3:7.3f} ms/step   probe {on * 1e3:7.3f} ms/step   "
+                  f"ratio {on / off:.3f}  (target <= {target})")
+    finally:
+        if server_proc is not None:
+            server_proc.terminate()
+            server_proc.wait(10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The probe in the training process: correct statistics, bounded work, never raising into the loop."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+import probes
+from probes.sinks import MemorySink
+from probes.stats import rows_from_stats, tensor_stats
+
+
+def _mlp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def _train(probe, model, opt, steps: int) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+
+
+def test_statistics_match_torch():
+    ts = [torch.randn(5, 7), torch.tensor([1.0, float("nan"), 0.0, float("inf")]), torch.zeros(3)]
+    rows = rows_from_stats(["a", "b", "c"], tensor_stats(ts).tolist())
+    a = rows[0]
+    assert a["norm"] == pytest.approx(ts[0].norm().item(), rel=1e-5)
+    assert a["mean"] == pytest.approx(ts[0].mean().item(), abs=1e-6)
+    assert a["std"] == pytest.approx(ts[0].std(unbiased=False).item(), rel=1e-4)
+    assert (a["min"], a["max"]) == pytest.approx((ts[0].min().item(), ts[0].max().item()))
+    b = rows[1]
+    assert (b["nan_count"], b["inf_count"], b["norm"]) == (1, 1, None)  # a non-finite tensor has no norm
+    assert b["mean"] == pytest.approx(0.5) and b["zero_frac"] == pytest.approx(0.25)
+    assert rows[2]["zero_frac"] == 1.0
+
+
+def test_samples_on_schedule_and_sends_every_loss():
+    model, opt = _mlp()
+    sink = MemorySink()
+    with probes.attach(model, opt, run="sched", sink=sink, interval=5) as probe:
+        _train(probe, model, opt, 12)
+    ev = sink.events
+    assert ev[0]["kind"] == "run_start" and ev[-1]["kind"] == "run_end"
+    assert ev[0]["total_params"] == sum(p.numel() for p in model.parameters())
+    stats_steps = {(e["collection"], e["step"]) for e in ev if e["kind"] == "tensor_stats"}
+    for c in ("weights", "gradients", "updates", "activations"):
+        assert {s for col, s in stats_steps if col == c} == {0, 5, 10}
+    losses = {e["step"]: e["values"]["loss"] for e in ev if e["kind"] == "scalars" and "loss" in e["values"]}
+    assert sorted(losses) == list(range(12))
+    sys_steps = [e["step"] for e in ev if e["kind"] == "scalars" and "sys/step_time" in e["values"]]
+    assert sys_steps == [0, 5, 10]
+
+
+def test_unsampled_steps_register_no_hooks():
+    model, opt = _mlp()
+    with probes.attach(model, opt, run="hooks", sink=MemorySink(), interval=100) as probe:
+        _train(probe, model, opt, 1)  # step 0 was sampled; step 1 is not
+        assert not model._forward_hooks and not model._forward_pre_hooks
+        assert all(not m._forward_hooks for m in model.modules())
+        assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_close_removes_everything_and_two_probes_share_nothing():
+    m1, o1 = _mlp()
+    m2, o2 = _mlp()
+    s1, s2 = MemorySink(), MemorySink()
+    p1 = probes.attach(m1, o1, run="one", sink=s1, interval=1, allow=["lr_scale"])
+    p2 = probes.attach(m2, o2, run="two", sink=s2, interval=1)
+    _train(p1, m1, o1, 3)
+    _train(p2, m2, o2, 2)
+    p1.close()
+    p1.close()  # idempotent
+    p2.close()
+    assert {b["run"] for b in s1.batches} == {"one"} and {b["run"] for b in s2.batches} == {"two"}
+    for m, o in ((m1, o1), (m2, o2)):
+        assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules())
+        assert not o._optimizer_step_pre_hooks and not o._optimizer_step_post_hooks
+    p1.step(loss=1.0)  # after close: a no-op, not an error
+
+
+def test_a_failure_inside_the_probe_never_reaches_the_loop(caplog):
+    model, opt = _mlp()
+    sink = MemorySink()
+    with probes.attach(model, opt, run="broken", sink=sink, interval=1) as probe:
+        probe.step(loss=object())  # not a number: the probe must log and carry on
+        _train(probe, model, opt, 3)
+    assert any(e["kind"] == "message" and e["level"] == "error" for e in sink.events)
+    assert any(e["kind"] == "scalars" and e["values"].get("loss") is not None for e in sink.events)
+
+
+def test_fixes_apply_once_within_bounds_and_revert():
+    model, opt = _mlp()
+    sink = MemorySink()
+    probe = probes.attach(model, opt, run="fix", sink=sink, interval=1,
+                          allow={"lr_scale": {"min_factor": 0.1, "max_factor": 2.0}, "grad_clip": {}})
+    sink.commands = [{"fix_id": "f-1", "action": "lr_scale", "params": {"factor": 0.5}},
+                     {"fix_id": "f-1", "action": "lr_scale", "params": {"factor": 0.5}},  # resent: applied once
+                     {"fix_id": "f-2", "action": "lr_scale", "params": {"factor": 50.0}},  # beyond the job's bound
+                     {"fix_id": "f-3", "action": "set_lr", "params": {"lr": 1.0}},  # not allowed
+                     {"fix_id": "f-4", "action": "grad_clip", "params": {"max_norm": 1e-3}}]
+    _train(probe, model, opt, 3)
+    probe.flush()
+    _train(probe, model, opt, 2)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    _train(probe, model, opt, 1)
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert grads.norm().item() <= 1e-3 * 1.01  # the clip hook ran before the optimizer step
+    sink.commands = [{"fix_id": "f-1", "op": "revert", "action": "lr_scale"},
+                     {"fix_id": "f-4", "op": "revert", "action": "grad_clip"}]
+    probe.flush()
+    _train(probe, model, opt, 2)
+    probe.close()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert not opt._optimizer_step_pre_hooks
+    acks = {(e["fix_id"], e["op"]): e for e in sink.events if e["kind"] == "fix_ack"}
+    assert acks[("f-1", "apply")]["status"] == "applied"
+    assert acks[("f-1", "apply")]["before"] == {"lr": [0.05]} and acks[("f-1", "apply")]["after"] == {"lr": [0.025]}
+    assert acks[("f-2", "apply")]["status"] == "rejected" and "bounds" in acks[("f-2", "apply")]["reason"]
+    assert acks[("f-3", "apply")]["status"] == "rejected" and "does not allow" in acks[("f-3", "apply")]["reason"]
+    assert acks[("f-1", "revert")]["status"] == "reverted" and acks[("f-4", "revert")]["status"] == "reverted"
+    assert sum(1 for e in sink.events if e["kind"] == "fix_ack" and e["fix_id"] == "f-1" and e["op"] == "apply") == 1
+
+
+def test_probes_does_not_import_the_server():
+    import subprocess
+    code = ("import sys, probes; bad = [m for m in ('diag_server', 'fastapi', 'sqlite3', 'lxml', 'uvicorn', 'mcp') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_public_api_is_honest():
+    for name in probes.__all__:
+        assert hasattr(probes, name), name
+    assert math.isfinite(probes.DEFAULT_INTERVAL)
