@@ -29,7 +29,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def job(url: str, run: str, seconds: float, rows: int, spool: str) -> None:
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.seconds = 1, 4.0
 
-    from conftest import make_server
+    from tests.conftest import make_server
 
     import httpx
 

@@ -28,7 +28,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
@@ -65,7 +64,7 @@ def _steps(probe: probes.Probe | None, steps: int) -> float:
 def exactly_once(outage_s: float) -> int:
     import sqlite3
 
-    from conftest import make_server
+    from tests.conftest import make_server
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -123,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.repeats = 300, 2
     torch.set_num_threads(1)
 
-    from badserver import BadServer, closed_port
-    from conftest import make_server
+    from tests.badserver import BadServer, closed_port
+    from tests.conftest import make_server
 
     with tempfile.TemporaryDirectory() as d, BadServer("hang") as hang:
         tmp = Path(d)

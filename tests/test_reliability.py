@@ -19,8 +19,8 @@ from probes.sender import Sender
 from diag_server.store import Store
 from probes.sinks import HttpSink
 
-from badserver import BadServer, closed_port
-from conftest import ROOT, make_server
+from tests.badserver import BadServer, closed_port
+from tests.conftest import ROOT, make_server
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

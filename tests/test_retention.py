@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import probes
 from diag_server.cli import main
 
-from conftest import make_server
+from tests.conftest import make_server
 
 
 def _loss(data: Path, run: str) -> list[tuple[int, float]]:

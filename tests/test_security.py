@@ -18,7 +18,7 @@ import probes
 from diag_server.cli import main
 from probes.sinks import MemorySink
 
-from conftest import make_server
+from tests.conftest import make_server
 
 
 @pytest.fixture(scope="module")
