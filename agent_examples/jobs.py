@@ -65,13 +65,13 @@ def lr_spike_job(*, run: str, steps: int = 1500, fault_step: int | None = 500, f
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
+            if pace:
+                time.sleep(pace)  # stands for a real model's compute: part of the step, not data wait
             if probe is not None:
                 probe.step(loss=loss)
             result.losses.append(loss.item())
             result.lrs.append(float(opt.param_groups[0]["lr"]))
             result.times.append(time.time())
-            if pace:
-                time.sleep(pace)
     except BaseException as e:  # noqa: BLE001 - reported to the caller, who runs us in a thread
         result.error = e
     finally:

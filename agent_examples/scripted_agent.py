@@ -105,11 +105,13 @@ async def triage(client: Client, run: str, *, timeout: float = 60.0, poll: float
         status = await _wait_status(client, run, fix["id"], FINAL, verdict_timeout, poll)
         out.fix, out.verdict = status, status["status"]
         note(f"  verdict: {status['status']} ({status['reason']})")
-        if status["status"] == "ineffective" and "revert" in (status["reason"] or ""):
-            reverted = await call(client, "revert_fix", run=run, fix_id=fix["id"])
-            out.reverted = True
-            note(f"  reverted {fix['id']}: {reverted['status']}")
-        break
+        if status["status"] != "ineffective":
+            break
+        # It did not help (or made things worse): undo it, then try the next proposal.
+        await call(client, "revert_fix", run=run, fix_id=fix["id"])
+        reverted = await _wait_status(client, run, fix["id"], {"reverted"}, verdict_timeout, poll)
+        out.reverted = True
+        note(f"  reverted {fix['id']}: {reverted['status']} ({reverted['before']} -> {reverted['after']})")
     return out
 
 

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from . import __version__
 from .http import build_router, install_error_handlers
 from .security import SecurityMiddleware, allowed_hostnames, load_or_create_token, mcp_transport_security
+from .metrics import build_router as build_metrics_router
 from .services import Services, Settings
 from .tools import build_mcp
 
@@ -38,6 +39,7 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app.state.services = services
     install_error_handlers(app)
     app.include_router(build_router(services))
+    app.include_router(build_metrics_router(services))  # GET /metrics for Prometheus
     app.router.routes.extend(mcp_app.routes)  # the /mcp route, beside the REST routes
     # Outermost: Host/Origin and the token are checked before any route, /mcp included.
     app.add_middleware(SecurityMiddleware, token=settings.token, hostnames=hostnames, open_reads=settings.open_reads)

@@ -54,21 +54,33 @@ def _token(ctx: click.Context, param: click.Parameter, value: str | None) -> str
                    "and probes keep their batches in their spools. Env: TRAINDX_MAX_PENDING_INGEST.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--rule", "rules", multiple=True, metavar="MODULE:CLASS",
+              help="Add a rule of your own (a Rule subclass). Repeatable. Env: TRAINDX_RULES (comma-separated).")
+@click.option("--rule-param", "rule_params", multiple=True, metavar="RULE.PARAM=VALUE",
+              help="Tune a rule, e.g. dead_relu.threshold=0.8. Repeatable. Env: TRAINDX_RULE_PARAMS.")
+@click.option("--disable-rule", "disabled", multiple=True, metavar="RULE",
+              help="Switch a rule off. Repeatable. Env: TRAINDX_DISABLE_RULES.")
 @_data_option
 def serve(host: str, port: int, allow_remote: bool, token: str | None, open_reads: bool, allow_hosts: tuple[str, ...],
-          max_data_mb: float | None, max_pending_ingest: int, log_level: str, data_dir: Path) -> None:
+          max_data_mb: float | None, max_pending_ingest: int, log_level: str, rules: tuple[str, ...],
+          rule_params: tuple[str, ...], disabled: tuple[str, ...], data_dir: Path) -> None:
     """Serve ingest, the REST API (/v1), MCP over Streamable HTTP (/mcp) and health (/health)."""
     import uvicorn
 
     from .app import create_app
+    from .rule_config import engine_settings
     from .security import is_loopback
     from .services import Settings
 
     if not is_loopback(host) and not allow_remote:
         raise click.UsageError(f"--host {host} would expose the server beyond this machine; pass --allow-remote "
                                "to mean it (every route but /health then needs the token)")
+    try:
+        engine = engine_settings(list(rules), list(rule_params), list(disabled))
+    except (ValueError, ImportError) as e:
+        raise click.BadParameter(str(e), param_hint="rules") from None
     settings = Settings(host=host, port=port, data_dir=data_dir, token=token, open_reads=open_reads,
-                        allowed_hosts=allow_hosts, max_pending_ingest=max_pending_ingest,
+                        allowed_hosts=allow_hosts, max_pending_ingest=max_pending_ingest, engine=engine,
                         max_data_bytes=int(max_data_mb * 1e6) if max_data_mb is not None else None)
     app = create_app(settings)
     services = app.state.services
@@ -101,9 +113,14 @@ def mcp(data_dir: Path) -> None:
 def import_(files: tuple[Path, ...], data_dir: Path) -> None:
     """Load event files (written with server=False, or a probe's spool) into the store. Idempotent."""
     from .importer import import_file
+    from .rule_config import engine_settings
     from .services import Services, Settings
 
-    services = Services(Settings(data_dir=data_dir))
+    try:
+        engine = engine_settings()  # TRAINDX_RULES / TRAINDX_RULE_PARAMS / TRAINDX_DISABLE_RULES, as for serve
+    except (ValueError, ImportError) as e:
+        raise click.BadParameter(str(e), param_hint="TRAINDX_RULES") from None
+    services = Services(Settings(data_dir=data_dir, engine=engine))
     try:
         for f in files:
             n, dup, bad = import_file(services, f)
@@ -114,11 +131,23 @@ def import_(files: tuple[Path, ...], data_dir: Path) -> None:
 
 @main.command()
 @click.argument("run")
-@click.option("--jsonl", "jsonl", required=True, type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+@click.option("--jsonl", "jsonl", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
               help="Write the run as JSON lines (importable with `traindx import`); '-' for stdout.")
+@click.option("--tensorboard", "tensorboard_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write TensorBoard event files under DIR/RUN (an earlier export there is replaced).")
 @_data_option
-def export(run: str, jsonl: Path, data_dir: Path) -> None:
-    """Export a run: its events as batches `traindx import` loads back, then anomalies, fixes and audit."""
+def export(run: str, jsonl: Path | None, tensorboard_dir: Path | None, data_dir: Path) -> None:
+    """Export a run: --jsonl (events `traindx import` loads back, then anomalies, fixes and audit) and/or
+    --tensorboard (scalars, tensor statistics, histograms, anomalies and fixes)."""
+    if jsonl is None and tensorboard_dir is None:
+        raise click.UsageError("say where to: --jsonl FILE and/or --tensorboard DIR")
+    if jsonl is not None:
+        _export_jsonl(run, jsonl, data_dir)
+    if tensorboard_dir is not None:
+        _export_tensorboard(run, tensorboard_dir, data_dir)
+
+
+def _export_jsonl(run: str, jsonl: Path, data_dir: Path) -> None:
     from .errors import ApiError
     from .retention import export_run
     from .store import Store
@@ -138,6 +167,27 @@ def export(run: str, jsonl: Path, data_dir: Path) -> None:
         store.close()
     click.echo(f"{run}: {counts['events']} events in {counts['batches']} batches, {counts['records']} records "
                f"-> {jsonl}", err=True)
+
+
+def _export_tensorboard(run: str, tensorboard_dir: Path, data_dir: Path) -> None:
+    from .errors import ApiError
+    from .tensorboard import export_run, open_store_readonly
+
+    try:
+        conn = open_store_readonly(data_dir)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        counts = export_run(conn, run, tensorboard_dir)
+    except ApiError as e:
+        raise click.ClickException(e.message) from None
+    except ImportError as e:
+        raise click.ClickException(f"{e}; the TensorBoard export needs: pip install 'traindx[tensorboard]'") from None
+    finally:
+        conn.close()
+    click.echo(f"{tensorboard_dir / run}: {counts['scalars']} scalar points, {counts['tensor_scalars']} tensor "
+               f"statistics, {counts['histograms']} histograms, {counts['texts']} anomaly/fix notes; "
+               f"open with: tensorboard --logdir {tensorboard_dir}")
 
 
 @main.command()
@@ -185,6 +235,93 @@ def demo(steps: int, keep: bool) -> None:
     from .demo import run_demo
 
     sys.exit(run_demo(steps=steps, keep=keep))
+
+
+@main.command("rules")
+@click.option("--rule", "rules", multiple=True, metavar="MODULE:CLASS", help="Include a rule of your own.")
+@click.option("--rule-param", "rule_params", multiple=True, metavar="RULE.PARAM=VALUE", help="Show tuned values.")
+@click.option("--disable-rule", "disabled", multiple=True, metavar="RULE")
+def rules_(rules: tuple[str, ...], rule_params: tuple[str, ...], disabled: tuple[str, ...]) -> None:
+    """List the rule catalog: each rule, the anomaly kinds it raises, its parameters and their sources."""
+    from .engine import Engine
+    from .rule_config import engine_settings
+
+    try:
+        engine = Engine(engine_settings(list(rules), list(rule_params), list(disabled)))
+    except (ValueError, ImportError) as e:
+        raise click.BadParameter(str(e), param_hint="rules") from None
+    for r in engine.describe():
+        click.echo(f"{r['name']}  ({', '.join(r['kinds'])})\n  {r['description']}")
+        for k, p in r["params"].items():
+            tuned = "" if p["value"] == p["default"] else f" (default {p['default']:g})"
+            click.echo(f"    {k} = {p['value']:g}{tuned}: {p['help']} [{p['source']}]")
+
+
+@main.command()
+@click.argument("session", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--against", required=True, help="An MCP endpoint URL (http://HOST:PORT/mcp), or 'stdio' to launch "
+              "`traindx mcp --data DATA`.")
+@click.option("--run-job", is_flag=True, help="Also start the session's seeded training job against the server "
+              "(URL targets only: the job posts to the same host).")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to wait for each response "
+              "to match the recording.")
+@_data_option
+def replay(session: Path, against: str, run_job: bool, timeout: float, data_dir: Path) -> None:
+    """Re-run a recorded MCP session and report every response that differs in shape or meaning."""
+    import asyncio
+
+    from agent_examples.scripted_agent import connect
+    from agent_examples.sessions import SessionError, load, replay as run_replay, start_job
+
+    try:
+        header, calls = load(session)
+    except SessionError as e:
+        raise click.ClickException(str(e)) from None
+    job = None
+    if run_job:
+        if against == "stdio" or not header.get("job"):
+            raise click.ClickException("--run-job needs a URL target and a session whose header names a job")
+        job = start_job(header["job"], against.rsplit("/mcp", 1)[0])
+
+    async def go():  # noqa: ANN202
+        client = connect(stdio_data=str(data_dir), name="traindx-replay") if against == "stdio" else \
+            connect(against, name="traindx-replay")
+        async with client:
+            return await run_replay(client, calls, timeout=timeout)
+
+    report = asyncio.run(go())
+    if job is not None:
+        job.join()
+    for m in report.mismatches:
+        click.echo(f"call {m.seq} ({m.tool}) differs:")
+        for d in m.differences[:20]:
+            click.echo(f"  {d}")
+    click.echo(f"{report.calls} recorded calls replayed ({report.sent} requests sent): "
+               f"{len(report.mismatches)} differ")
+    sys.exit(0 if report.ok else 1)
+
+
+@main.command()
+@click.option("--checkpoint", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A state_dict (or {'state_dict': ...}) saved with torch.save; a whole nn.Module with --trust-checkpoint.")
+@click.option("--recipe", "recipe_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A CompressionRecipe as JSON (GET /v1/runs/RUN/compression, or the compression_recipe tool).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Where to write the small file.")
+@click.option("--trust-checkpoint", is_flag=True, help="Unpickle a whole nn.Module (only for files you trust); "
+              "enables the latency measurement.")
+def compress(checkpoint: Path, recipe_path: Path, out: Path, trust_checkpoint: bool) -> None:
+    """Apply a recipe to a checkpoint: bitmask + kept values (int8 where chosen); print sizes and latency."""
+    import json
+
+    from .compress import CompressError, compress as run_compress
+
+    try:
+        report = run_compress(checkpoint, recipe_path, out, trust=trust_checkpoint)
+    except CompressError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(json.dumps(report, indent=2))
+    click.echo(f"{out}: {report['compressed_bytes']} bytes, {report['ratio']:.3f}x of the dense state_dict "
+               f"({report['dense_state_dict_bytes']} bytes)", err=True)
 
 
 @main.command()

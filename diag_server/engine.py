@@ -30,28 +30,83 @@ class EngineSettings:
     verify_min_steps: int = 200
     # A fix after which the loss median is this much higher than before is flagged for revert.
     worse_margin: float = 0.10
-    rule_params: dict[str, dict[str, float]] = field(default_factory=dict)
+    rule_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     disabled: set[str] = field(default_factory=set)
     extra_rules: list[type[Rule]] = field(default_factory=list)
+
+
+def run_rule_config(start: dict | None) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """A run's own rule settings, from its start event's config: ``rules.disable`` (a list of rule names)
+    and ``rules.<rule>.<param>`` (a number), as ``probes.attach(..., rules={...})`` writes them."""
+    config = (start or {}).get("config") or {}
+    disabled = {str(x) for x in (config.get("rules.disable") or [])}
+    overrides: dict[str, dict[str, Any]] = {}
+    for key, value in config.items():
+        if key.startswith("rules.") and key != "rules.disable":
+            rule, _, param = key[len("rules."):].partition(".")
+            if rule and param:
+                overrides.setdefault(rule, {})[param] = value
+    return overrides, disabled
 
 
 class Engine:
     def __init__(self, settings: EngineSettings | None = None) -> None:
         self.settings = settings or EngineSettings()
-        classes = [*BUILTIN, *self.settings.extra_rules]
-        self.rules: list[Rule] = [cls(**self.settings.rule_params.get(cls.name, {}))
-                                  for cls in classes if cls.name not in self.settings.disabled]
+        self.rules: list[Rule] = self._build({}, set())  # the server's rules; a run may tune its own copy
+        self._run_rules: dict[str, tuple[bytes, list[Rule]]] = {}
+        self._starts: dict[str, tuple[str, dict]] = {}
         self._states: dict[tuple[str, str], dict] = {}
+
+    def _build(self, overrides: dict[str, dict[str, Any]], disabled: set[str]) -> list[Rule]:
+        classes = [*BUILTIN, *self.settings.extra_rules]
+        known = {c.name for c in classes}
+        unknown = (set(overrides) | disabled | set(self.settings.rule_params) | self.settings.disabled) - known
+        if unknown:
+            raise ValueError(f"no rule named {sorted(unknown)}; rules: {sorted(known)}")
+        return [cls(**{**self.settings.rule_params.get(cls.name, {}), **overrides.get(cls.name, {})})
+                for cls in classes if cls.name not in self.settings.disabled and cls.name not in disabled]
 
     def describe(self) -> list[dict]:
         return [r.describe() for r in self.rules]
 
+    def rules_for(self, conn: sqlite3.Connection, run: str, start: dict | None) -> list[Rule]:
+        """The rules for one run: the server's, tuned or disabled by the run's own config."""
+        overrides, disabled = run_rule_config(start)
+        if not overrides and not disabled:
+            return self.rules
+        fingerprint = orjson.dumps([overrides, sorted(disabled)], option=orjson.OPT_SORT_KEYS)
+        cached = self._run_rules.get(run)
+        if cached and cached[0] == fingerprint:
+            return cached[1]
+        try:
+            rules = self._build(overrides, disabled)
+        except (ValueError, TypeError) as e:  # a bad setting must not stop the rules: run the defaults, say why
+            rules = self.rules
+            conn.execute("INSERT INTO messages(run, step, time, level, text) VALUES (?,?,?,?,?)",
+                         (run, 0, 0.0, "warning", f"the run's rule settings were ignored: {e}"))
+        self._run_rules[run] = (fingerprint, rules)
+        return rules
+
+    def _start(self, conn: sqlite3.Connection, run: str) -> dict | None:
+        row = conn.execute("SELECT start FROM runs WHERE run=?", (run,)).fetchone()
+        if not row or not row[0]:
+            return None
+        cached = self._starts.get(run)
+        if cached is None or cached[0] != row[0]:
+            cached = (row[0], orjson.loads(row[0]))
+            self._starts[run] = cached
+        return cached[1]
+
     # -- called from ingest, in the writer thread ------------------------------------------------------
     def process(self, conn: sqlite3.Connection, obs: Observations, now: float) -> list[str]:
         """Run every rule over ``obs``; return ids of anomalies opened by this batch."""
+        from .evidence import request_snapshot
+
         opened: list[str] = []
         seen: set[str] = set()
-        for rule in self.rules:
+        if obs.start is None:
+            obs.start = self._start(conn, obs.run)
+        for rule in self.rules_for(conn, obs.run, obs.start):
             state = self._state(conn, obs.run, rule)
             findings = rule.observe(state, obs)
             conn.execute("INSERT OR REPLACE INTO rule_state(run, rule, state) VALUES (?,?,?)",
@@ -62,6 +117,8 @@ class Engine:
                 new_id = self._record(conn, obs.run, rule, f, key, now)
                 if new_id:
                     opened.append(new_id)
+                if f.severity == Severity.critical and f.tensors:
+                    request_snapshot(conn, obs.run, key, f.tensors, now)
         self._resolve(conn, obs, seen, now)
         self._verify_fixes(conn, obs, now)
         return opened
@@ -76,6 +133,8 @@ class Engine:
     def forget(self, run: str) -> None:
         for key in [k for k in self._states if k[0] == run]:
             del self._states[key]
+        self._run_rules.pop(run, None)
+        self._starts.pop(run, None)
 
     def _record(self, conn: sqlite3.Connection, run: str, rule: Rule, f: Finding, key: str, now: float) -> str | None:
         evidence = orjson.dumps(f.evidence).decode()
@@ -105,7 +164,8 @@ class Engine:
     def _verify_fixes(self, conn: sqlite3.Connection, obs: Observations, now: float) -> None:
         rows = conn.execute("SELECT f.id, f.applied_step, f.verify, a.status AS astatus, a.last_step AS alast "
                             "FROM fixes f LEFT JOIN anomalies a ON a.id = f.anomaly_id "
-                            "WHERE f.run=? AND f.status='applied'", (obs.run,)).fetchall()
+                            # A fix with no anomaly (prune, sensitivity) has nothing to clear: no verdict.
+                            "WHERE f.run=? AND f.status='applied' AND f.anomaly_id IS NOT NULL", (obs.run,)).fetchall()
         for r in rows:
             applied = r["applied_step"] or 0
             window = max(self.settings.verify_after_intervals * obs.interval, self.settings.verify_min_steps)

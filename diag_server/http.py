@@ -7,7 +7,7 @@ registry of small functions, as datasette's output formats are).
 
 from __future__ import annotations
 
-from typing import Annotated, Callable
+from typing import Annotated, Callable, Literal
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
@@ -213,8 +213,25 @@ def build_router(services: Services) -> APIRouter:
 
     @r.get("/v1/runs/{run}/compression", response_model=CompressionRecipe, tags=["compression"])
     def compression_recipe(request: Request, run: str,
-                           target_sparsity: Annotated[float, Query(ge=0.0, lt=1.0)] = 0.8) -> Response:
-        return respond(request, compression.recipe(store, run, target_sparsity))
+                           target_sparsity: Annotated[float, Query(ge=0.0, lt=1.0)] = 0.8,
+                           target_bytes: Annotated[int | None, Query(gt=0)] = None,
+                           structure: Literal["unstructured", "channels"] = "unstructured") -> Response:
+        return respond(request, compression.recipe(store, run, target_sparsity, target_bytes=target_bytes,
+                                                   structure=structure))
+
+    @r.post("/v1/runs/{run}/compression/prune", response_model=Fix, dependencies=writer, tags=["compression"])
+    def compression_prune(request: Request, run: str, target_sparsity: Annotated[float, Query(ge=0.0, lt=1.0)] = 0.8,
+                          target_bytes: Annotated[int | None, Query(gt=0)] = None,
+                          structure: Literal["unstructured", "channels"] = "unstructured",
+                          rounds: Annotated[int, Query(ge=1, le=1000)] = 1,
+                          every: Annotated[int, Query(ge=0)] = 1) -> Response:
+        return respond(request, compression.propose_prune(store, run, target_sparsity, target_bytes=target_bytes,
+                                                          structure=structure, rounds=rounds, every=every,
+                                                          actor=actor(request)))
+
+    @r.post("/v1/runs/{run}/compression/sensitivity", response_model=Fix, dependencies=writer, tags=["compression"])
+    def compression_sensitivity(request: Request, run: str) -> Response:
+        return respond(request, compression.request_sensitivity(store, run, actor=actor(request)))
 
     return r
 

@@ -9,8 +9,11 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from schemas.events import Command, FixAck, IngestBatch, IngestReply, RunStart, Scalars, TensorStats
+from schemas.events import (Command, FixAck, IngestBatch, IngestReply, LayerProfiles, RunStart, Scalars,
+                            TensorSnapshot, TensorStats)
 
+from . import evidence
+from .compression import store_profiles
 from .engine import Engine, loss_median
 from .errors import ApiError
 from .rules import Observations
@@ -79,12 +82,17 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
             obs.interval = int(ev.config.get("interval") or DEFAULT_INTERVAL)  # type: ignore[arg-type]
         elif isinstance(ev, FixAck):
             _apply_ack(conn, run, ev, now)
+        elif isinstance(ev, LayerProfiles):
+            store_profiles(conn, run, ev)
+        elif isinstance(ev, TensorSnapshot):
+            evidence.receive(conn, run, ev, now)
         elif ev.kind == "message":
             conn.execute("INSERT INTO messages(run, step, time, level, text) VALUES (?,?,?,?,?)",
                          (run, ev.step, ev.time, ev.level, ev.text))
         elif ev.kind == "run_end":
             conn.execute("UPDATE runs SET ended=1 WHERE run=?", (run,))
             _expire_pending(conn, run, "the job ended before it picked the fix up", now)
+            evidence.expire(conn, run, now)
     for series in obs.scalars.values():  # events of one batch may interleave steps
         series.sort(key=lambda p: p[0])
     conn.executemany("INSERT INTO scalars(run, step, name, value, time) VALUES (?,?,?,?,?)", scalar_rows)
@@ -111,7 +119,7 @@ def pending_commands(conn: sqlite3.Connection, run: str) -> list[Command]:
     rows = conn.execute("SELECT id, action, params, pending_op FROM fixes WHERE run=? AND pending_op IS NOT NULL "
                         "ORDER BY seq", (run,)).fetchall()
     return [Command(fix_id=r["id"], op=r["pending_op"], action=r["action"], params=orjson.loads(r["params"]))
-            for r in rows]
+            for r in rows] + evidence.pending(conn, run)
 
 
 def _apply_ack(conn: sqlite3.Connection, run: str, ack: FixAck, now: float) -> None:

@@ -64,7 +64,8 @@ def _anomaly(r: sqlite3.Row) -> Anomaly:
     return Anomaly(id=r["id"], run=r["run"], kind=r["kind"], severity=r["severity"], status=r["status"],
                    first_step=r["first_step"], last_step=r["last_step"], resolved_step=r["resolved_step"],
                    tensors=_json(r["tensors"], []), message=r["message"], evidence=_json(r["evidence"], {}),
-                   rule=r["rule"], created_at=r["created_at"], updated_at=r["updated_at"])
+                   rule=r["rule"], created_at=r["created_at"], updated_at=r["updated_at"],
+                   snapshot=_json(r["snapshot"], []) if "snapshot" in r.keys() else [])
 
 
 def anomalies(store: Store, run: str, *, kind: AnomalyKind | None = None, severity: Severity | None = None,

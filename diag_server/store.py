@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS messages(run TEXT, step INTEGER, time REAL, level TEX
 CREATE TABLE IF NOT EXISTS anomalies(
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, kind TEXT, severity TEXT, status TEXT,
     first_step INTEGER, last_step INTEGER, resolved_step INTEGER, tensors TEXT, message TEXT, evidence TEXT,
-    rule TEXT, key TEXT, created_at REAL, updated_at REAL);
+    rule TEXT, key TEXT, created_at REAL, updated_at REAL, snapshot TEXT);
 CREATE INDEX IF NOT EXISTS anomalies_by_run ON anomalies(run, status, kind);
 CREATE TABLE IF NOT EXISTS fixes(
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, anomaly_id TEXT, action TEXT, params TEXT,
@@ -49,7 +49,12 @@ CREATE TABLE IF NOT EXISTS fixes(
 CREATE INDEX IF NOT EXISTS fixes_by_run ON fixes(run, status);
 CREATE TABLE IF NOT EXISTS audit(run TEXT, time REAL, actor TEXT, action TEXT, fix_id TEXT, detail TEXT);
 CREATE INDEX IF NOT EXISTS audit_by_run ON audit(run, time);
+CREATE TABLE IF NOT EXISTS layer_profiles(
+    run TEXT, source TEXT, name TEXT, step INTEGER, data TEXT, PRIMARY KEY(run, source, name));
 CREATE TABLE IF NOT EXISTS rule_state(run TEXT, rule TEXT, state TEXT, PRIMARY KEY(run, rule));
+CREATE TABLE IF NOT EXISTS snapshots(
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, anomaly_id TEXT, tensors TEXT, status TEXT,
+    created_at REAL, updated_at REAL, step INTEGER);
 """
 
 

@@ -7,7 +7,7 @@ act on (an unknown run lists the known runs; a stale fix says why).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, TypeVar
+from typing import Annotated, Any, Callable, Literal, TypeVar
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
@@ -123,11 +123,40 @@ def build_mcp(services: Services, version: str) -> MCPServer:
     async def compression_recipe(
         run: RunArg,
         target_sparsity: Annotated[float, Field(ge=0.0, lt=1.0, description="Fraction of all weights to zero.")] = 0.8,
+        target_bytes: Annotated[int | None, Field(gt=0, description="A size budget in bytes instead.")] = None,
+        structure: Annotated[Literal["unstructured", "channels"],
+                             Field(description="Prune single weights or whole output channels.")] = "unstructured",
     ) -> CompressionRecipe:
-        """A per-layer pruning recipe meeting the target sparsity at the least predicted loss increase,
-        from the run's Fisher (mean squared gradient) and weight statistics, with the predicted size and
-        why each layer got its sparsity."""
-        return await _call(compression.recipe, store, run, target_sparsity)
+        """A per-layer recipe (sparsity and precision fp32/fp16/bf16/int8) meeting the target sparsity or
+        size at the least predicted loss increase, from the run's Fisher profiles (the 'fisher' collection;
+        OBS/K-FAC saliencies) calibrated by held-batch sensitivity when measured, with the predicted size,
+        loss increase and why each layer got what it got. Next: propose_prune to apply it live."""
+        return await _call(compression.recipe, store, run, target_sparsity, target_bytes=target_bytes,
+                           structure=structure)
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
+                                             open_world_hint=False))
+    async def propose_prune(
+        run: RunArg, ctx: Context,
+        target_sparsity: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.8,
+        target_bytes: Annotated[int | None, Field(gt=0)] = None,
+        structure: Literal["unstructured", "channels"] = "unstructured",
+        rounds: Annotated[int, Field(ge=1, le=1000, description="Gradual pruning: rounds on a cubic ramp.")] = 1,
+        every: Annotated[int, Field(ge=0, description="Steps between two rounds; 0: all rounds at once.")] = 1,
+    ) -> Fix:
+        """A 'prune' fix carrying the compression recipe's per-layer sparsities. Apply it with apply_fix: the
+        job picks masks by Fisher saliency (OBS update where it has K-FAC factors) and keeps them for the
+        rest of training, so it fine-tunes under them. revert_fix restores the weights."""
+        return await _call(compression.propose_prune, store, run, target_sparsity, target_bytes=target_bytes,
+                           structure=structure, rounds=rounds, every=every, actor=_actor(ctx))
+
+    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
+                                             open_world_hint=False))
+    async def measure_sensitivity(run: RunArg, ctx: Context) -> Fix:
+        """Ask the job to measure, on its held batch, each layer's loss change when pruned alone and cast to
+        fp16/bf16/int8 (needs probe.set_held_batch and allow=[..., 'sensitivity']). The next
+        compression_recipe is calibrated by it."""
+        return await _call(compression.request_sensitivity, store, run, actor=_actor(ctx))
 
     @server.tool(annotations=_READ)
     async def get_series(
@@ -141,5 +170,27 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         """One metric over steps, downsampled to at most max_points."""
         return await _call(queries.series, store, run, name, collection=collection, field=field,
                            max_points=max_points)
+
+    @server.resource("traindx://runs/{run}/report", mime_type="text/plain",
+                     description="The run's diagnosis as a report a person can read.")
+    async def run_report(run: str) -> str:
+        return (await _call(diagnosis.diagnose, store, run)).report
+
+    @server.resource("traindx://schema", mime_type="application/schema+json",
+                     description="The JSON Schema of every event and record (schemas/traindx.schema.json).")
+    def contract_schema() -> str:
+        import json
+
+        from schemas.export import json_schema
+
+        return json.dumps(json_schema())
+
+    @server.prompt(description="Find what is wrong with a training run and fix it, step by step.")
+    def triage_run(run: str) -> str:
+        return (f"Training run {run!r} is being watched by traindx. 1) Call get_anomalies(run={run!r}, "
+                "status='open') and read the most severe. 2) Call diagnose to find the root cause. 3) Call "
+                "propose_fix for the root cause's anomaly and apply_fix with the first live proposal the job allows. "
+                "4) Poll get_fix_status until it is effective or ineffective; if ineffective, revert_fix and try "
+                "the next proposal. Report what you found, what you changed (before -> after) and the verdict.")
 
     return server

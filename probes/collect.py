@@ -25,6 +25,15 @@ _BOUNDED = {torch.nn.Tanh: (-1.0, 1.0), torch.nn.Sigmoid: (0.0, 1.0), torch.nn.H
             torch.nn.Hardsigmoid: (0.0, 1.0), torch.nn.Softmax: (0.0, 1.0)}
 
 
+def compiled(model: torch.nn.Module) -> str | None:
+    """'wrapper' for ``torch.compile(model)``'s result, 'in-place' after ``model.compile()``, else None."""
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        return "wrapper"
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        return "in-place"
+    return None
+
+
 class HostCopy:
     """A stacked statistics tensor on its way to the host; asynchronous on CUDA."""
 
@@ -70,6 +79,10 @@ class Collection:
 
     def collect(self, step: int) -> list[HostCopy]:
         return []
+
+    def reports(self, step: int) -> bool:
+        """Whether a due step also sends (a collection may track on more steps than it reports)."""
+        return True
 
     def disarm(self) -> None:
         for h in self._handles:
@@ -223,10 +236,23 @@ class Activations(Collection):
         self._stats: list[torch.Tensor] = []
         self._done = False
         self.leaves = [(n, m) for n, m in probe.model.named_modules() if n and not list(m.children())]
+        # Inside a torch.compile'd graph, hooks added and removed on sampled steps would not fire (the
+        # graph was traced without them) or would force recompiles. On torch.compile(model)'s wrapper the
+        # model's input and output are still seen; after model.compile() in place, nothing is.
+        self.compiled = compiled(probe.model)
+        self.note = None
+        if self.compiled:
+            self.leaves = []
+            self.note = ("the model is torch.compile'd: per-layer activations are not collected (hooks inside "
+                         "a compiled graph would not fire or would force recompiles); "
+                         + ("the model's input and output are" if self.compiled == "wrapper" else "no activations are")
+                         + " collected; weights, gradients, updates and step times are unaffected")
 
     def arm(self, step: int) -> None:
         self._names, self._stats, self._done = [], [], False
         model = self.probe.model
+        if self.compiled == "in-place":
+            return
         self._handles.append(model.register_forward_pre_hook(self._on_input))
         for name, module in self.leaves:
             self._handles.append(module.register_forward_hook(self._on_output(name)))
@@ -288,8 +314,10 @@ class System(Collection):
         self._marks = {}
         model, opt = self.probe.model, self.probe.optimizer
         mark = self._mark
-        self._handles = [model.register_forward_pre_hook(lambda *_: mark("fwd0")),
-                         model.register_forward_hook(lambda *_: mark("fwd1"))]
+        self._handles = []
+        if compiled(model) != "in-place":  # its forward hooks would run inside the compiled graph
+            self._handles += [model.register_forward_pre_hook(lambda *_: mark("fwd0")),
+                              model.register_forward_hook(lambda *_: mark("fwd1"))]
         if opt is not None:
             self._handles += [opt.register_step_pre_hook(lambda *_: mark("opt0")),
                               opt.register_step_post_hook(lambda *_: mark("opt1"))]
@@ -307,9 +335,11 @@ class System(Collection):
             out["sys/data_wait"] = max(m["fwd0"] - p.prev_end, 0.0)
         if "fwd0" in m and "fwd1" in m:
             out["sys/forward"] = m["fwd1"] - m["fwd0"]
-        if "fwd1" in m and "opt0" in m:
+        # Lightning calls optimizer.step(closure) and runs forward and backward inside it: there the
+        # backward and optimizer phases are not separable, and would come out negative or inflated.
+        if "fwd1" in m and "opt0" in m and m["opt0"] >= m["fwd1"]:
             out["sys/backward"] = m["opt0"] - m["fwd1"]
-        if "opt0" in m and "opt1" in m:
+        if "opt0" in m and "opt1" in m and m["opt0"] >= m.get("fwd1", m["opt0"]):
             out["sys/optimizer"] = m["opt1"] - m["opt0"]
         rss = _rss_mb()
         if rss is not None:
@@ -329,3 +359,8 @@ class System(Collection):
 COLLECTIONS: dict[str, type[Collection]] = {
     c.name: c for c in (Weights, Gradients, Updates, Activations, System)
 }
+
+from .fisher import Fisher  # noqa: E402 - opt-in curvature for compression; it subclasses Collection above
+COLLECTIONS[Fisher.name] = Fisher
+from .embeddings import Embeddings  # noqa: E402 - per-row embedding dynamics; it subclasses Collection above
+COLLECTIONS[Embeddings.name] = Embeddings

@@ -35,6 +35,11 @@ class Target:
     optimizer: torch.optim.Optimizer | None
     probe: Any
     hooks: dict[str, Any] = field(default_factory=dict)  # fix_id -> optimizer hook handle
+    # LR schedulers whose base_lrs an lr fix scales too, so that their next step does not undo it.
+    schedulers: list[Any] = field(default_factory=list)
+    # When set (Probe.defer_step_fixes), gradient fixes run from Probe.before_optimizer_step, not as
+    # optimizer step pre-hooks: fix_id -> function.
+    deferred: dict[str, Callable[[], None]] | None = None
 
 
 def _number(params: Mapping, key: str, lo: float, hi: float, default: float | None = None) -> float:
@@ -73,15 +78,36 @@ def _set_lrs(opt: torch.optim.Optimizer, lrs: dict[int, float]) -> None:
             group["lr"] = lr
 
 
+def _scale_base_lrs(t: Target, before: dict[int, float], after: dict[int, float]) -> Callable[[], None]:
+    """Scale each scheduler's base_lrs by after/before, so a LambdaLR-style schedule keeps its shape."""
+    saved = []
+    for sched in t.schedulers:
+        base = getattr(sched, "base_lrs", None)
+        if not isinstance(base, list):
+            continue
+        saved.append((base, list(base)))
+        for i, lr in before.items():
+            if i < len(base) and lr > 0:
+                base[i] = base[i] * after[i] / lr
+
+    def restore() -> None:
+        for base, old in saved:
+            base[:] = old
+
+    return restore
+
+
 def _lr_change(t: Target, params: Mapping, new_lr: Callable[[float], float]) -> Applied:
     opt = _need_optimizer(t)
     idx = _groups(opt, params)
     before = {i: float(opt.param_groups[i]["lr"]) for i in idx}
     after = {i: new_lr(lr) for i, lr in before.items()}
     _set_lrs(opt, after)
+    restore_schedulers = _scale_base_lrs(t, before, after)
 
     def undo() -> dict:
         _set_lrs(opt, before)
+        restore_schedulers()
         return {"lr": [before[i] for i in idx]}
 
     return Applied({"lr": [before[i] for i in idx]}, {"lr": [after[i] for i in idx]}, undo)
@@ -97,13 +123,25 @@ def set_lr(t: Target, params: Mapping, bounds: Mapping) -> Applied:
     return _lr_change(t, params, lambda _: lr)
 
 
+class _DeferredHandle:
+    def __init__(self, hooks: dict, key: str) -> None:
+        self.hooks, self.key = hooks, key
+
+    def remove(self) -> None:
+        self.hooks.pop(self.key, None)
+
+
 def _step_pre_hook(t: Target, fix_id: str, fn: Callable[[], None]) -> Undo:
     opt = _need_optimizer(t)
 
     def hook(*_: Any) -> None:  # a step pre-hook that returns anything but None replaces the step's args
         fn()
 
-    handle = opt.register_step_pre_hook(hook)
+    if t.deferred is not None:
+        t.deferred[fix_id] = fn
+        handle: Any = _DeferredHandle(t.deferred, fix_id)
+    else:
+        handle = opt.register_step_pre_hook(hook)
     t.hooks[fix_id] = handle
 
     def undo() -> dict:
@@ -209,6 +247,12 @@ def set_probe(t: Target, params: Mapping, bounds: Mapping) -> Applied:
     return Applied({"interval": old}, {"interval": interval}, undo)
 
 
+def embedding_grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
+    from .embeddings import embedding_grad_scale as impl  # lives with the statistics it reads
+
+    return impl(t, params, bounds, fix_id)
+
+
 # Actions that take the fix id (they register a hook under it) are listed in _HOOKED.
 ACTIONS: dict[str, Callable[..., Applied]] = {
     "lr_scale": lr_scale,
@@ -219,8 +263,13 @@ ACTIONS: dict[str, Callable[..., Applied]] = {
     "freeze": freeze,
     "unfreeze": unfreeze,
     "set_probe": set_probe,
+    "embedding_grad_scale": embedding_grad_scale,
 }
-_HOOKED = {"grad_clip", "skip_nonfinite", "grad_scale"}
+_HOOKED = {"grad_clip", "skip_nonfinite", "grad_scale", "embedding_grad_scale"}
+
+from .compress_actions import prune, sensitivity  # noqa: E402 - they build on the helpers above
+ACTIONS.update(prune=prune, sensitivity=sensitivity)
+_HOOKED.add("prune")
 
 
 def apply(action: str, target: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:

@@ -19,9 +19,11 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from . import fixes
+from .amp import ScalerWatch
 from .collect import COLLECTIONS, Collection, HostCopy
 from .sender import Sender
 from .sinks import FileSink, HttpSink, Sink
+from .snapshot import Snapshots
 
 log = logging.getLogger("traindx.probe")
 
@@ -68,6 +70,12 @@ class Probe:
         token: str | None = None,
         spool_dir: str | os.PathLike | None = None,
         flush_interval: float = 0.25,
+        scaler: Any = None,
+        scheduler: Any = None,
+        fisher_modules: Iterable[str] | None = None,
+        fisher_decay: float | None = None,
+        fisher_max_elements: int | None = None,
+        rules: Mapping[str, Mapping[str, float] | bool] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"probes.attach needs an nn.Module, got {type(model).__name__}")
@@ -83,6 +91,10 @@ class Probe:
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.allow = self._parse_allow(allow)
+        # Options of the opt-in 'fisher' collection (probes/fisher.py); read when it is built below.
+        self.fisher_modules = list(fisher_modules) if fisher_modules is not None else None
+        self.fisher_decay, self.fisher_max_elements = fisher_decay, fisher_max_elements
+        self.held_batch: tuple | None = None
         self.collections: list[Collection] = []
         wanted = collections if collections is not None else DEFAULT_COLLECTIONS
         items = wanted.items() if isinstance(wanted, Mapping) else ((c, None) for c in wanted)
@@ -102,9 +114,18 @@ class Probe:
         self.sender = Sender(sink, self.run, on_commands=self._inbox.extend, spool_dir=spool_dir,
                              flush_interval=flush_interval)
         self._target = fixes.Target(model, optimizer, self)
+        # An LR scheduler that recomputes the rate from its base_lrs (LambdaLR, Hugging Face's schedules)
+        # would undo an lr fix at its next step; lr fixes scale its base_lrs too (probes.fixes).
+        if scheduler is not None:
+            self._target.schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+        self._amp = ScalerWatch(scaler) if scaler is not None else None  # GradScaler skips (probes.amp)
         self._applied: dict[str, fixes.Applied] = {}
         self._seen_commands: set[tuple[str, str]] = set()
         self._skipped_steps = 0
+        # A snapshot that waits for a forward pass knocks on the inbox when it is done, so step() needs no
+        # check of its own: the inbox check it already makes covers it.
+        self._snapshots = Snapshots(model, self.params, on_ready=lambda: self._inbox.append({"op": "_snapshots"}))
+        self.rules = _rule_config(rules)
 
         self._step = 0
         self._closed = False
@@ -121,6 +142,9 @@ class Probe:
         self._due: list[Collection] = []
         self._next_due = 0
         self._send_run_start()
+        for c in self.collections:
+            if getattr(c, "note", None):  # what a collection cannot see in this job (a compiled model, say)
+                self.sender.put({"kind": "message", "step": 0, "time": time.time(), "level": "info", "text": c.note})
         self._arm(0)
         self.prev_end = time.perf_counter()
 
@@ -146,10 +170,12 @@ class Probe:
                 self._losses.append((step, loss.detach() if isinstance(loss, torch.Tensor) else loss))
             if scalars:
                 self._user_scalars.append((step, scalars))
+            if self._amp is not None:
+                self._amp.observe(step)
             if self._due:
                 self._sample(step)
                 self._due = []
-            elif len(self._losses) >= MAX_BUFFERED_LOSSES:
+            elif len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
                 self._flush_scalars()
             if self._inbox:
                 self._apply_commands(step)
@@ -172,6 +198,75 @@ class Probe:
         except Exception as e:  # noqa: BLE001
             self._degrade("log", e)
 
+    def defer_step_fixes(self) -> None:
+        """Run gradient fixes from ``before_optimizer_step()`` instead of optimizer step pre-hooks.
+
+        For frameworks whose ``optimizer.step(closure)`` computes the gradients inside ``step`` (Lightning),
+        where a pre-hook would act on the previous step's gradients. Call it right after attaching.
+        """
+        if self._target.deferred is None:
+            self._target.deferred = {}
+
+    def before_optimizer_step(self) -> None:
+        """After backward, before the update: run the active grad_clip / grad_scale / skip_nonfinite fixes."""
+        if self._closed or not self._target.deferred:
+            return
+        try:
+            for fn in list(self._target.deferred.values()):
+                fn()
+        except Exception as e:  # noqa: BLE001
+            self._degrade("before_optimizer_step", e)
+
+    def set_held_batch(self, inputs: Any, targets: Any, loss_fn: Any) -> None:
+        """A fixed batch the 'sensitivity' action measures the loss on: ``loss_fn(model(inputs), targets)``."""
+        self.held_batch = (inputs, targets, loss_fn)
+
+    def report(self, *, file: Any = None, timeout: float = 10.0) -> str:
+        """Print the run's diagnosis and return it as text.
+
+        Asked of the server when the probe sends to one; with no server (``server=False``, or a server that
+        cannot be reached) the same rules run here over the run's local events, importing the server's
+        code only now. Never raises: a failure is described in the returned text.
+        """
+        import sys
+
+        try:
+            if not self._closed:
+                self.flush(timeout)
+            text = self._server_report(timeout) or self._local_report()
+        except Exception as e:  # noqa: BLE001 - a report must not break the job
+            text = f"traindx: no report for run {self.run}: {type(e).__name__}: {e}"
+        print(text, file=file or sys.stdout)
+        return text
+
+    def _server_report(self, timeout: float) -> str | None:
+        sink = self.sender.sink
+        if not isinstance(sink, HttpSink):
+            return None
+        import httpx
+
+        try:
+            r = httpx.get(f"{sink.server}/v1/runs/{self.run}/diagnosis", timeout=timeout,
+                          headers={"accept": "application/json", **({"authorization": sink._client.headers["authorization"]}
+                                                                    if "authorization" in sink._client.headers else {})})
+        except httpx.HTTPError:
+            return None
+        return r.json().get("report") if r.status_code == 200 else None
+
+    def _local_report(self) -> str:
+        sink = self.sender.sink
+        from diag_server import local  # only here: a training job never imports the server otherwise
+
+        if isinstance(sink, FileSink):
+            return local.diagnose_file(sink.path, self.run)
+        batches = getattr(sink, "batches", None)
+        if batches is not None:  # MemorySink
+            return local.diagnose_batches(list(batches), self.run)
+        spool = self.sender.spool_path
+        if spool.exists():  # the server was never reached: what it would have got is in the spool
+            return local.diagnose_file(spool, self.run)
+        return f"traindx: no report for run {self.run}: the server cannot be reached and no events are kept locally"
+
     def set_interval(self, interval: int) -> None:
         self.interval = interval
         for c in self.collections:
@@ -193,6 +288,7 @@ class Probe:
                 c.close()
             for h in list(self._target.hooks.values()):
                 h.remove()
+            self._snapshots.close()
             self._flush_scalars()
             self._drain_in_flight(wait=True)
             self.sender.put({"kind": "run_end", "step": self._step, "time": time.time(), "reason": "closed"})
@@ -219,10 +315,15 @@ class Probe:
             c.arm(step)
 
     def _sample(self, step: int) -> None:
+        reporting = False
         for c in self._due:
             self._in_flight.extend(c.collect(step))
-        self._flush_scalars(step)
-        self._drain_in_flight(wait=False)
+            reporting = reporting or c.reports(step)
+        if reporting:  # a step that is only tracked (embeddings) sends nothing and reads no loss
+            self._flush_scalars(step)
+            self._drain_in_flight(wait=False)
+        elif len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
+            self._flush_scalars()
 
     def reset_step_times(self) -> None:
         self.step_time_sum = self.step_time_max = 0.0
@@ -246,6 +347,8 @@ class Probe:
         for s, values in user:
             for k, v in values.items():
                 self._put_scalar(by_step, s, k, v, bad)
+        if self._amp is not None:
+            self._amp.flush(by_step, sampled_step)
         if self.pending_scalars and sampled_step is not None:
             by_step.setdefault(sampled_step, {}).update(self.pending_scalars)
             self.pending_scalars = {}
@@ -288,10 +391,19 @@ class Probe:
     def _apply_commands(self, step: int) -> None:
         while self._inbox:
             cmd = self._inbox.popleft()
+            if cmd.get("op") == "_snapshots":
+                for ev in self._snapshots.poll():
+                    self.sender.put(ev)
+                continue
             key = (str(cmd.get("fix_id")), str(cmd.get("op", "apply")))
             if key in self._seen_commands:
                 continue  # the server resends until it sees our ack; apply once
             self._seen_commands.add(key)
+            if key[1] == "snapshot":
+                ev = self._snapshots.request(cmd, step)
+                if ev is not None:
+                    self.sender.put(ev)
+                continue
             self.sender.put(self._run_command(cmd, step))
 
     def _run_command(self, cmd: dict, step: int) -> dict:
@@ -336,7 +448,9 @@ class Probe:
             "optimizer": opt, "torch_version": torch.__version__, "device": str(self.device),
             "world_size": int(os.environ.get("WORLD_SIZE", "1")), "rank": int(os.environ.get("RANK", "0")),
             "host": socket.gethostname(), "allow": sorted(self.allow),
-            "config": {"interval": self.interval, "collections": [c.name for c in self.collections]},
+            "config": {"interval": self.interval, "collections": [c.name for c in self.collections],
+                       "amp_scaler": self._amp is not None},
+            "config": {"interval": self.interval, "collections": [c.name for c in self.collections], **self.rules},
         })
 
     def _degrade(self, where: str, err: Exception) -> None:
@@ -355,6 +469,25 @@ class Probe:
             self.collections = []
             self._due = []
             self._next_due = 2**62
+
+
+def _rule_config(rules: Mapping[str, Mapping[str, float] | bool] | None) -> dict:
+    """``{"dead_relu": {"threshold": 0.8}, "oscillating_loss": False}`` -> the run start's flat config keys."""
+    out: dict[str, Any] = {}
+    disabled = []
+    for rule, setting in (rules or {}).items():
+        if setting is False:
+            disabled.append(str(rule))
+        elif isinstance(setting, Mapping):
+            for param, value in setting.items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"rules[{rule!r}][{param!r}] must be a number, got {value!r}")
+                out[f"rules.{rule}.{param}"] = float(value)
+        elif setting is not True:
+            raise ValueError(f"rules[{rule!r}] must be a dict of parameters, or False to disable it")
+    if disabled:
+        out["rules.disable"] = disabled
+    return out
 
 
 def _hyper(v: Any) -> Any:

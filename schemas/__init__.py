@@ -6,10 +6,14 @@ from .enums import SCHEMA_VERSION, AnomalyKind, AnomalyStatus, Collection, FixAc
 from .events import (
     MAX_EVENTS_PER_BATCH,
     Command,
+    EmbeddingRow,
+    EmbeddingSummary,
     Event,
     FixAck,
     IngestBatch,
     IngestReply,
+    LayerProfile,
+    LayerProfiles,
     ModuleInfo,
     OptimizerInfo,
     ParamInfo,
@@ -18,6 +22,8 @@ from .events import (
     RunStart,
     Scalars,
     StatRow,
+    TensorSlice,
+    TensorSnapshot,
     TensorStats,
 )
 from .records import (
@@ -42,8 +48,10 @@ from .records import (
 
 __all__ = [
     "SCHEMA_VERSION", "AnomalyKind", "AnomalyStatus", "Collection", "FixAction", "FixStatus", "Severity",
-    "MAX_EVENTS_PER_BATCH", "Command", "Event", "FixAck", "IngestBatch", "IngestReply", "ModuleInfo",
+    "MAX_EVENTS_PER_BATCH", "Command", "EmbeddingRow", "EmbeddingSummary", "Event", "FixAck", "IngestBatch", "IngestReply",
+    "LayerProfile", "LayerProfiles", "ModuleInfo",
     "OptimizerInfo", "ParamInfo", "ProbeMessage", "RunEnd", "RunStart", "Scalars", "StatRow", "TensorStats",
+    "TensorSlice", "TensorSnapshot",
     "Anomaly", "AnomalyPage", "AuditEntry", "AuditTrail", "Cause", "CompressionRecipe", "Diagnosis", "Error",
     "Fix", "FixList", "Health", "LayerRecipe", "Run", "RunList", "RunSummary", "Series", "SeriesPoint",
 ]

@@ -60,6 +60,7 @@ class FixAction(str, Enum):
     unfreeze = "unfreeze"
     set_probe = "set_probe"
     prune = "prune"
+    sensitivity = "sensitivity"  # measure per-layer pruning/cast sensitivity on the job's held batch
     embedding_grad_scale = "embedding_grad_scale"
     advice = "advice"
 
@@ -85,3 +86,4 @@ class Collection(str, Enum):
     activations = "activations"
     system = "system"
     embeddings = "embeddings"
+    fisher = "fisher"

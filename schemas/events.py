@@ -78,6 +78,49 @@ class Scalars(_Model):
     values: dict[TensorName, Number] = Field(max_length=1024)
 
 
+MAX_EMBEDDING_ROWS = 512
+
+
+class EmbeddingRow(_Model):
+    """One row of an embedding table and its dynamics, as the embeddings collection measured them."""
+
+    row: int = Field(ge=0, description="Row index in the table.")
+    touches: int = Field(ge=0, description="Tracked steps in which the row was looked up and got a non-zero gradient.")
+    velocity: Number = Field(None, description="EMA of ||row after - row before|| across the optimizer step.")
+    consistency: Number = Field(None, description="EMA of the cosine between the row's successive updates (-1: every "
+                                "update reverses the last one).")
+    snr: Number = Field(None, description="Temporal gradient SNR: ||mean g||^2 / mean ||g - mean g||^2 across the "
+                        "steps that touched the row.")
+    noise: Number = Field(None, description="The row's gradient energy per lookup over the median of the table's "
+                          "rows (> 1: its data pulls it harder than its peers' data pulls them).")
+
+
+class EmbeddingSummary(_Model):
+    """Per-table summary of the embeddings collection, with the worst rows of each kind."""
+
+    rows: int = Field(ge=0)
+    dim: int = Field(ge=0)
+    sparse: bool = Field(False, description="The table's gradients were sparse.")
+    tracked_steps: int = Field(0, ge=0, description="Steps the collection tracked the table since the probe attached.")
+    touched_rows: int = Field(0, ge=0, description="Rows updated at least once.")
+    window_touched_rows: int = Field(0, ge=0, description="Rows updated since the previous report.")
+    never_updated: int = Field(0, ge=0, description="Finite rows never updated (padding_idx excluded).")
+    nonfinite_rows: int = Field(0, ge=0, description="Rows holding NaN or Inf (never counted as dead).")
+    median_touches: Number = Field(None, description="Median touches among rows updated at least once.")
+    eligible_rows: int = Field(0, ge=0, description="Rows touched often enough for their direction statistics to count.")
+    negative_consistency_rows: int = Field(0, ge=0, description="Eligible rows whose updates reverse on average.")
+    effective_rank: Number = Field(None, description="exp(entropy of normalised singular values) of sampled rows.")
+    mean_cosine: Number = Field(None, description="Mean pairwise cosine of sampled rows.")
+    sampled_rows: int = Field(0, ge=0, description="Rows sampled for effective_rank and mean_cosine.")
+    zombies: list[EmbeddingRow] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
+                                        description="Eligible rows with the highest zombie score (noisy and reversing), worst first.")
+    rarest: list[EmbeddingRow] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
+                                       description="Rows updated at least once, least often first.")
+    dead_ids: list[int] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
+                                description="Finite rows never updated, lowest ids first.")
+    nonfinite_ids: list[int] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS)
+
+
 class StatRow(_Model):
     """Statistics of one tensor at one step. Fields a collection does not compute are null/absent."""
 
@@ -94,6 +137,7 @@ class StatRow(_Model):
     dead_frac: Number = Field(None, description="Activations: fraction of units zero for the whole batch (ReLU family).")
     saturated_frac: Number = Field(None, description="Activations: fraction of outputs within 1% of a tanh/sigmoid bound.")
     update_ratio: Number = Field(None, description="Updates: ||w_after - w_before|| / ||w_before||.")
+    embedding: EmbeddingSummary | None = Field(None, description="Embeddings: the table's row dynamics.")
 
 
 class TensorStats(_Model):
@@ -128,6 +172,58 @@ class ProbeMessage(_Model):
     text: str = Field(max_length=4000)
 
 
+class LayerProfile(_Model):
+    """One weight's loss increase at each sparsity of a grid, whole output channels, and each cast."""
+
+    name: TensorName
+    numel: int = Field(ge=0)
+    shape: list[int] = Field(default_factory=list, max_length=16)
+    method: str = Field("", max_length=64, description="obs-kfac, obd-diagonal or magnitude: how weights were chosen.")
+    fisher_mean: Number = None
+    saliency_mean: Number = Field(None, description="Mean predicted loss increase per weight removed alone.")
+    sparsities: list[Finite] = Field(max_length=1000)
+    unstructured: list[Number] = Field(max_length=1000, description="Loss increase at each sparsity.")
+    channels: list[Number] | None = Field(None, max_length=1000, description="The same, pruning whole output channels.")
+    precision: dict[str, Number] = Field(default_factory=dict, max_length=8, description="Loss increase per cast.")
+
+
+class LayerProfiles(_Model):
+    """What compressing each layer costs: predicted from the Fisher, or measured on a held batch."""
+
+    kind: Literal["layer_profiles"] = "layer_profiles"
+    step: Step
+    time: Time
+    source: Literal["fisher", "held_batch"]
+    samples: int = Field(0, ge=0, description="Fisher samples averaged (source fisher).")
+    base_loss: Number = Field(None, description="Held-batch loss of the unchanged model (source held_batch).")
+    layers: list[LayerProfile] = Field(max_length=MAX_ROWS_PER_EVENT)
+
+
+class TensorSlice(_Model):
+    """A bounded piece of one tensor: its shape and dtype, and up to a few hundred of its values."""
+
+    name: TensorName
+    source: Literal["parameter", "gradient", "activation"]
+    shape: list[int] = Field(max_length=16)
+    dtype: str = Field(max_length=32)
+    numel: int = Field(ge=0)
+    offset: int = Field(0, ge=0, description="Index in the flattened tensor of values[0] (centred on the first NaN/Inf).")
+    values: list[Number] = Field(default_factory=list, max_length=1024)
+    nan_count: int = Field(0, ge=0)
+    inf_count: int = Field(0, ge=0)
+
+
+class TensorSnapshot(_Model):
+    """The job's answer to a ``snapshot`` command: slices of the tensors the server asked about."""
+
+    kind: Literal["tensor_snapshot"] = "tensor_snapshot"
+    step: Step
+    time: Time
+    request_id: str = Field(max_length=64)
+    tensors: list[TensorSlice] = Field(default_factory=list, max_length=16)
+    missing: list[str] = Field(default_factory=list, max_length=16, description="Names the job could not find.")
+
+
 class RunEnd(_Model):
     kind: Literal["run_end"] = "run_end"
     step: Step
@@ -136,7 +232,7 @@ class RunEnd(_Model):
 
 
 Event = Annotated[
-    Union[RunStart, Scalars, TensorStats, FixAck, ProbeMessage, RunEnd],
+    Union[RunStart, Scalars, TensorStats, FixAck, ProbeMessage, RunEnd, LayerProfiles, TensorSnapshot],
     Field(discriminator="kind"),
 ]
 
@@ -151,11 +247,12 @@ class IngestBatch(_Model):
 
 
 class Command(_Model):
-    """A fix for the job to apply (or revert) at its next step boundary."""
+    """A fix for the job to apply (or revert) at its next step boundary, or (op ``snapshot``) a request for
+    bounded slices of the tensors named in ``params.tensors``, answered with a TensorSnapshot event."""
 
-    fix_id: str = Field(max_length=64)
-    op: Literal["apply", "revert"] = "apply"
-    action: FixAction
+    fix_id: str = Field(max_length=64, description="The fix's id, or the snapshot request's id.")
+    op: Literal["apply", "revert", "snapshot"] = "apply"
+    action: FixAction | None = Field(None, description="The fix action; null for a snapshot.")
     params: Params = Field(default_factory=dict)
 
 

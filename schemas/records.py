@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .enums import AnomalyKind, AnomalyStatus, FixAction, FixStatus, Severity
-from .events import Finite, Number, Params, RunId, Time
+from .events import Finite, Number, Params, RunId, TensorSlice, Time
 
 
 class _Record(BaseModel):
@@ -29,6 +29,8 @@ class Anomaly(_Record):
     rule: str = Field(description="Name of the rule that raised it.")
     created_at: Time
     updated_at: Time
+    snapshot: list[TensorSlice] = Field(default_factory=list, description="Slices of the offending tensors, taken "
+                                        "by the job when the anomaly opened critical (evidence on demand).")
 
 
 class AnomalyPage(_Record):
@@ -122,11 +124,14 @@ class LayerRecipe(_Record):
     precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
     saliency: Number = Field(None, description="Mean Fisher-weighted saliency per weight (w^2 * F).")
     reason: str
+    size_bytes: int | None = Field(None, ge=0, description="Predicted stored size: kept values + bitmask.")
+    loss_increase: Number = Field(None, description="Predicted loss increase of this layer's sparsity and cast.")
 
 
 class CompressionRecipe(_Record):
     run: RunId
-    target_sparsity: float = Field(ge=0.0, lt=1.0)
+    target_sparsity: float | None = Field(None, ge=0.0, lt=1.0)
+    target_size_bytes: int | None = Field(None, ge=0, description="Size budget, when the target was a size.")
     achieved_sparsity: Finite
     method: str
     layers: list[LayerRecipe]
@@ -150,6 +155,10 @@ class Diagnosis(_Record):
     summary: str
     causes: list[Cause]
     report: str = Field(description="The same, as text a person can read.")
+    context: list[str] = Field(default_factory=list, description="Where the first problem began (first step, first "
+                               "tensor in forward order) and what changed just before it (learning rate, a fix, data).")
+    history: list[str] = Field(default_factory=list, description="Departures from the run's own healthy stretch and "
+                               "from earlier runs of the same model structure, naming the run compared against.")
 
 
 class Health(_Record):

@@ -22,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = os.environ.setdefault("TRAINDX_TOKEN", "test-" + secrets.token_urlsafe(24))
+AUTH = {"authorization": f"Bearer {TOKEN}"}  # for raw HTTP calls to the servers the tests start
 
 
 def free_port() -> int:
@@ -98,3 +99,12 @@ def server(tmp_path: Path) -> Iterator[ServerProcess]:
 @pytest.fixture
 def spool_dir(tmp_path: Path) -> Path:
     return tmp_path / "spool"
+
+
+@pytest.fixture(scope="session")
+def session_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real server shared by tests that each use their own run id (starting one costs seconds)."""
+    srv = make_server(tmp_path_factory.mktemp("session-server"))
+    srv.start()
+    yield srv
+    srv.stop()

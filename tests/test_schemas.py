@@ -18,9 +18,10 @@ from diag_server.xml import to_xml, xsd_schema
 from schemas import events, export, records
 from schemas import (
     Anomaly, AnomalyKind, AnomalyPage, AnomalyStatus, AuditEntry, AuditTrail, Cause, Collection, Command,
-    CompressionRecipe, Diagnosis, Error, Fix, FixAck, FixAction, FixList, FixStatus, Health, IngestBatch,
-    IngestReply, LayerRecipe, ModuleInfo, OptimizerInfo, ParamInfo, ProbeMessage, Run, RunEnd, RunList,
-    RunStart, RunSummary, Scalars, Series, SeriesPoint, Severity, StatRow, TensorStats,
+    CompressionRecipe, Diagnosis, EmbeddingRow, EmbeddingSummary, Error, Fix, FixAck, FixAction, FixList, FixStatus,
+    Health, IngestBatch, IngestReply, LayerProfile, LayerProfiles, LayerRecipe, ModuleInfo, OptimizerInfo, ParamInfo,
+    ProbeMessage, Run, RunEnd, RunList, RunStart, RunSummary, Scalars, Series, SeriesPoint, Severity, StatRow,
+    TensorSlice, TensorSnapshot, TensorStats,
 )
 
 NAN = float("nan")
@@ -38,7 +39,16 @@ TENSOR_STATS = TensorStats(step=10, time=1700000001.5, collection=Collection.gra
 FIX_ACK = FixAck(step=11, time=1700000002.0, fix_id="f-3", status="applied", before={"lr": 0.01}, after={"lr": 0.001})
 MESSAGE = ProbeMessage(step=12, time=1700000003.0, text="server unreachable; spooling to disk")
 RUN_END = RunEnd(step=100, time=1700000100.0)
+LAYER_PROFILE = LayerProfile(name="fc1.weight", numel=65536, shape=[512, 128], method="obs-kfac", fisher_mean=1e-4,
+                             saliency_mean=NAN, sparsities=[0.0, 0.5], unstructured=[0.0, None], channels=[0.0, 0.3],
+                             precision={"fp16": 1e-9, "int8": None})
+LAYER_PROFILES = LayerProfiles(step=90, time=1700000090.0, source="held_batch", base_loss=0.25,
+                               layers=[LAYER_PROFILE, LayerProfile(name="fc2.weight", numel=10, sparsities=[0.5],
+                                                                   unstructured=[0.1])])
 COMMAND = Command(fix_id="f-3", action=FixAction.grad_clip, params={"max_norm": 1.0, "params": ["fc1.weight"]})
+SLICE = TensorSlice(name="encoder.layers.0", source="activation", shape=[32, 128], dtype="float32", numel=4096,
+                    offset=64, values=[0.5, NAN, None, -1.25], nan_count=2)
+SNAPSHOT = TensorSnapshot(step=13, time=1700000004.0, request_id="s-1", tensors=[SLICE], missing=["gone.weight"])
 ANOMALY = Anomaly(id="a-12", run="mnist-1", kind=AnomalyKind.exploding_gradient, severity=Severity.critical,
                   status=AnomalyStatus.open, first_step=40, last_step=52, tensors=["fc1.weight", "fc2.weight"],
                   message="Gradient norm of fc1.weight grew 40x in 10 steps.",
@@ -57,12 +67,20 @@ LAYER = LayerRecipe(name="fc1.weight", numel=65536, sparsity=0.5, precision="int
 CAUSE = Cause(anomaly_id="a-12", kind=AnomalyKind.exploding_gradient, step=40, tensor="fc1.weight",
               explanation="Learning rate too high for this depth.", consequences=["a-13", "a-14"])
 
+EMB_ROW = EmbeddingRow(row=17, touches=40, velocity=0.01, consistency=-0.8, snr=NAN)
+EMB_SUMMARY = EmbeddingSummary(rows=1682, dim=32, tracked_steps=300, touched_rows=1600, never_updated=50,
+                               median_touches=12.0, effective_rank=None, mean_cosine=0.1, zombies=[EMB_ROW],
+                               rarest=[EMB_ROW], dead_ids=[3, 9], nonfinite_ids=[])
+
 SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
     IngestBatch(batch_id="b-0001-abcd", run="mnist-1", seq=0,
-                events=[RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END]),
-    IngestReply(accepted=6, commands=[COMMAND, Command(fix_id="f-2", op="revert", action=FixAction.lr_scale)]),
-    RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END, COMMAND, MODULE, PARAM, OPTIMIZER, ROW,
-    ANOMALY,
+                events=[RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, SNAPSHOT, RUN_END, LAYER_PROFILES]),
+    IngestReply(accepted=6, commands=[COMMAND, Command(fix_id="f-2", op="revert", action=FixAction.lr_scale),
+                                      Command(fix_id="s-1", op="snapshot", params={"tensors": ["fc1"]})]),
+    SLICE, SNAPSHOT,
+    RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END, LAYER_PROFILE, LAYER_PROFILES, COMMAND, MODULE, PARAM,
+    OPTIMIZER, ROW,
+    ANOMALY, EMB_ROW, EMB_SUMMARY,
     AnomalyPage(run="mnist-1", anomalies=[ANOMALY], total=3, offset=0, next_offset=1),
     FIX,
     FixList(run="mnist-1", fixes=[FIX, ADVICE]),
@@ -140,7 +158,7 @@ def test_sample_xml_validates_against_the_xsd(name: str) -> None:
 def test_xml_marks_null_with_xsi_nil() -> None:
     doc = etree.fromstring(to_xml(ROW), XML_PARSER)
     nil = "{http://www.w3.org/2001/XMLSchema-instance}nil"
-    assert [el.tag for el in doc if el.get(nil) == "true"] == ["mean", "std", "max", "dead_frac", "saturated_frac"]
+    assert [el.tag for el in doc if el.get(nil) == "true"] == ["mean", "std", "max", "dead_frac", "saturated_frac", "embedding"]
     evidence = etree.fromstring(to_xml(ANOMALY), XML_PARSER).find("evidence")
     assert [(e.get("key"), e.get(nil), [i.text for i in e]) for e in evidence] == [
         ("grad_norm", None, []), ("baseline", None, []), ("ratio", "true", []), ("steps", None, ["40.0", "52.0"])]

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import importlib
 
+from .activations import DeadRelu, InputNotNormalized, OutputRangeMismatch, SaturatedActivation
 from .base import Finding, Observations, Param, Rule
-from .gradients import ExplodingGradient
-from .loss import LossDivergence
+from .embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
+from .gradients import ExplodingGradient, VanishingGradient
+from .loss import LossDivergence, LossNotDecreasing, OscillatingLoss, Overfitting
 from .nonfinite import NonFinite
+from .system import DataloaderBottleneck, GpuMemoryFragmentation, MemoryGrowth, StepTimeOutlier
+from .weights import AbnormalUpdateRatio, PoorWeightInit, UnchangedTensor
 
-BUILTIN: list[type[Rule]] = [NonFinite, ExplodingGradient, LossDivergence]
+BUILTIN: list[type[Rule]] = [
+    NonFinite, ExplodingGradient, VanishingGradient, DeadRelu, SaturatedActivation, PoorWeightInit,
+    AbnormalUpdateRatio, UnchangedTensor, LossNotDecreasing, LossDivergence, OscillatingLoss, Overfitting,
+    InputNotNormalized, OutputRangeMismatch, DataloaderBottleneck, StepTimeOutlier, MemoryGrowth,
+    GpuMemoryFragmentation, ZombieEmbedding, DeadEmbedding, EmbeddingCollapse,
+]
 
 
 def load(path: str) -> type[Rule]:

@@ -50,6 +50,17 @@ class Observations:
         for step in sorted(self.stats.get(collection, {})):
             yield step, self.stats[collection][step]
 
+    def param_shapes(self) -> dict[str, list[int]]:
+        """Parameter name -> shape, from the run's start event (empty when the run sent none)."""
+        return {p["name"]: p.get("shape", []) for p in (self.start or {}).get("params", [])}
+
+    def module_types(self) -> dict[str, str]:
+        return {m["name"]: m["type"] for m in (self.start or {}).get("modules", [])}
+
+    def owner_type(self, param: str) -> str | None:
+        """The type of the module that owns parameter ``param`` ('Linear' for 'net.0.weight')."""
+        return self.module_types().get(param.rpartition(".")[0])
+
     @property
     def last_step(self) -> int:
         steps = [s for v in self.scalars.values() for s, _ in v[-1:]]
@@ -67,7 +78,7 @@ class Rule:
         unknown = set(overrides) - set(self.params)
         if unknown:
             raise ValueError(f"rule {self.name!r} has no parameter {sorted(unknown)}; it has {sorted(self.params)}")
-        self.p = SimpleNamespace(**{k: v.default for k, v in self.params.items()}, **overrides)
+        self.p = SimpleNamespace(**{**{k: v.default for k, v in self.params.items()}, **overrides})
 
     def initial_state(self) -> dict:
         return {}
@@ -85,6 +96,20 @@ def median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def weight_matrices(obs: Observations, rows: list[dict]) -> list[dict]:
+    """Rows of weight matrices and kernels (2-D and up): biases and norm scales say little about scale."""
+    shapes = obs.param_shapes()
+    if not shapes:
+        return [r for r in rows if r["name"].endswith("weight")]
+    return [r for r in rows if len(shapes.get(r["name"], [])) >= 2]
+
+
+def streak(state: dict, key: str, holds: bool) -> int:
+    """Count consecutive samples for which a condition held (0 once it does not)."""
+    state[key] = state.get(key, 0) + 1 if holds else 0
+    return state[key]
 
 
 def push(history: list, value: Any, keep: int) -> None:

@@ -6,7 +6,7 @@ import math
 
 from schemas.enums import AnomalyKind, Severity
 
-from .base import Finding, Observations, Param, Rule, median, push
+from .base import Finding, Observations, Param, Rule, median, push, streak, weight_matrices
 
 
 def global_norm(rows: list[dict]) -> float | None:
@@ -68,4 +68,57 @@ class ExplodingGradient(Rule):
                          + f"; largest growth in '{worst[0]}'. Clip gradients or lower the learning rate."),
                 evidence={"global_norm": g, "healthy_median": base, "ratio": ratio,
                           "worst_tensor": worst[0], "factor": self.p.factor}))
+        return out
+
+
+def _rms(row: dict) -> float | None:
+    n, norm = row.get("numel"), row.get("norm")
+    return norm / math.sqrt(n) if norm is not None and n else None
+
+
+class VanishingGradient(Rule):
+    name = "vanishing_gradient"
+    description = ("Gradients shrink to nothing on their way back: the first weight layer's RMS gradient is "
+                   "a tiny fraction of the last one's, or every gradient is near zero while the loss is not.")
+    kinds = (AnomalyKind.vanishing_gradient,)
+    params = {
+        "ratio": Param(1e-3, "after AUTOTRAINER (ICSE 2021), which compares the first and last layers' gradients; "
+                       "value a measurement here: healthy suite runs stay above 0.05, a 12-layer sigmoid MLP "
+                       "sits near 1e-10", "first / last RMS gradient below this is vanishing"),
+        "absolute": Param(1e-7, "smdebug VanishingGradient default threshold (1e-7)",
+                          "a global RMS gradient below this is vanishing (when the loss is not already ~0)"),
+        "min_loss": Param(1e-4, "measurement here: a fitted run's loss (memorised suite run ~2e-6) makes tiny "
+                          "gradients legitimate", "below this loss, tiny gradients are not a problem"),
+        "patience": Param(1, "measurement here: one sample is enough at a 1000x gap", "samples the condition must hold"),
+    }
+
+    def initial_state(self) -> dict:
+        return {"streak": 0, "loss": None}
+
+    def observe(self, state: dict, obs: Observations) -> list[Finding]:
+        for _, v in obs.series("loss"):
+            if v is not None:
+                state["loss"] = v
+        out: list[Finding] = []
+        for step, rows in obs.sampled("gradients"):
+            mats = [r for r in weight_matrices(obs, rows) if _rms(r) is not None]
+            if len(mats) < 2:
+                continue
+            first, last = _rms(mats[0]), _rms(mats[-1])
+            ratio = first / last if last else None
+            total = math.sqrt(sum(r["norm"] ** 2 for r in mats) / max(sum(r["numel"] for r in mats), 1))
+            loss_matters = state["loss"] is None or state["loss"] > self.p.min_loss
+            vanishing = loss_matters and ((ratio is not None and ratio < self.p.ratio) or total < self.p.absolute)
+            if streak(state, "streak", vanishing) < self.p.patience:
+                continue
+            tiny = [r["name"] for r in mats if (_rms(r) or 0) < self.p.ratio * (last or 0)] or [mats[0]["name"]]
+            why = (f"the first weight layer '{mats[0]['name']}' gets {ratio:.2g}x the RMS gradient of the last "
+                   f"'{mats[-1]['name']}'" if ratio is not None and ratio < self.p.ratio
+                   else f"the RMS gradient over all weights is {total:.2g}")
+            out = [Finding(AnomalyKind.vanishing_gradient, Severity.warning, step, tensors=tiny,
+                           message=(f"Vanishing gradients at step {step}: {why}, so the early layers barely learn. "
+                                    "Use ReLU-family activations, normalisation layers, residual connections or "
+                                    "a better initialisation."),
+                           evidence={"first_last_ratio": ratio, "rms_gradient": total, "first": mats[0]["name"],
+                                     "last": mats[-1]["name"], "ratio_threshold": self.p.ratio})]
         return out

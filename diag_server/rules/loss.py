@@ -1,10 +1,10 @@
-"""Loss-curve rules: divergence."""
+"""Loss-curve rules: divergence, no progress, oscillation, overfitting."""
 
 from __future__ import annotations
 
 from schemas.enums import AnomalyKind, Severity
 
-from .base import Finding, Observations, Param, Rule, median, push
+from .base import Finding, Observations, Param, Rule, median, push, streak
 
 
 class LossDivergence(Rule):
@@ -54,4 +54,150 @@ class LossDivergence(Rule):
                     out[-1] = f  # one finding per batch is enough; keep the latest evidence
                 else:
                     out.append(f)
+        return out
+
+
+class LossNotDecreasing(Rule):
+    name = "loss_not_decreasing"
+    description = ("After a fair number of steps the training loss (running median) is no lower than where it "
+                   "started: the run is not learning at all.")
+    kinds = (AnomalyKind.loss_not_decreasing,)
+    params = {
+        "window": Param(20, "measurement here: a 20-step median hides minibatch noise in the suite's runs",
+                        "steps in the running median"),
+        "min_steps": Param(60, "smdebug LossNotDecreasing compares every num_steps=10 steps; 3 windows here so a "
+                           "slow start is not flagged", "steps before the rule judges"),
+        "min_drop": Param(0.01, "smdebug LossNotDecreasing diff_percent=0.1%, loosened to 1% for minibatch noise "
+                          "(measurement here: healthy suite runs drop >10% within 60 steps)",
+                          "relative drop from the first window's median that counts as learning"),
+    }
+
+    def initial_state(self) -> dict:
+        return {"recent": [], "first": None, "first_step": None, "learned": False}
+
+    def observe(self, state: dict, obs: Observations) -> list[Finding]:
+        out: list[Finding] = []
+        window = int(self.p.window)
+        for step, value in obs.series("loss"):
+            if value is None or state["learned"]:
+                continue
+            push(state["recent"], value, window)
+            if len(state["recent"]) < window:
+                continue
+            smooth = median(state["recent"])
+            if state["first"] is None:
+                state["first"], state["first_step"] = smooth, step
+                continue
+            if smooth < state["first"] * (1 - self.p.min_drop):
+                state["learned"] = True  # it learned once; a later plateau is not this rule's business
+                continue
+            if step - state["first_step"] + window < self.p.min_steps:
+                continue
+            out = [Finding(AnomalyKind.loss_not_decreasing, Severity.warning, step,
+                           message=(f"The loss has not decreased in {step} steps (median {smooth:.4g} vs "
+                                    f"{state['first']:.4g} at the start). Check the learning rate (too small?), that "
+                                    "the optimizer holds the model's parameters, and that labels match inputs."),
+                           evidence={"loss_median": smooth, "initial": state["first"], "steps": step,
+                                     "min_drop": self.p.min_drop})]
+        return out
+
+
+class OscillatingLoss(Rule):
+    name = "oscillating_loss"
+    description = ("The training loss jumps up and down by a large part of its starting value from one step to "
+                   "the next, instead of descending: the step size is too large for the batch noise.")
+    kinds = (AnomalyKind.oscillating_loss,)
+    params = {
+        "window": Param(10, "measurement here", "steps whose step-to-step changes are looked at"),
+        "amplitude": Param(0.5, "after AUTOTRAINER's oscillating-loss symptom; value a measurement here: healthy "
+                           "suite runs stay below 0.1 of their initial loss, Adam at lr 0.1 on batches of 2 exceeds 1",
+                           "median |loss change| per step, relative to the initial loss, that counts as oscillating"),
+        "min_turns": Param(0.3, "measurement here: a diverging loss rises steadily, an oscillating one turns",
+                           "fraction of steps where the direction changes"),
+    }
+
+    def initial_state(self) -> dict:
+        return {"recent": [], "initial": None}
+
+    def observe(self, state: dict, obs: Observations) -> list[Finding]:
+        out: list[Finding] = []
+        window = int(self.p.window)
+        for step, value in obs.series("loss"):
+            if value is None:
+                continue
+            push(state["recent"], value, window + 1)
+            if len(state["recent"]) <= window:
+                continue
+            if state["initial"] is None:
+                state["initial"] = median(state["recent"])
+            xs = state["recent"]
+            deltas = [b - a for a, b in zip(xs, xs[1:])]
+            jump = median([abs(d) for d in deltas])
+            turns = sum(1 for a, b in zip(deltas, deltas[1:]) if a * b < 0) / max(len(deltas) - 1, 1)
+            scale = max(abs(state["initial"]), 1e-12)
+            if jump / scale > self.p.amplitude and turns >= self.p.min_turns:
+                out = [Finding(AnomalyKind.oscillating_loss, Severity.warning, step,
+                               message=(f"The loss swings by a median {jump:.3g} per step around step {step} "
+                                        f"({jump / scale:.1f}x its initial value {scale:.3g}). Lower the learning rate "
+                                        "or use larger batches."),
+                               evidence={"median_jump": jump, "initial": scale, "turns": turns,
+                                         "amplitude": self.p.amplitude})]
+        return out
+
+
+class Overfitting(Rule):
+    name = "overfitting"
+    description = ("The validation loss (a scalar named val_loss, or valid_loss/eval_loss) rises above its best "
+                   "while the training loss keeps falling.")
+    kinds = (AnomalyKind.overfitting,)
+    params = {
+        "margin": Param(0.1, "smdebug Overfit ratio_threshold default (0.1)",
+                        "relative rise of val loss over its best that counts"),
+        "patience": Param(2, "smdebug Overfit patience default is 1; 2 here because a validation loss on a few "
+                          "hundred samples moves ~10% between evaluations (measurement here)",
+                          "consecutive evaluations the rise must hold"),
+        "min_rise": Param(0.05, "measurement here: near its minimum a healthy CNN's val loss moves by up to 3% of "
+                          "its initial value between evaluations", "the rise must also exceed this fraction of the "
+                          "first validation loss"),
+    }
+    names = ("val_loss", "valid_loss", "validation_loss", "eval_loss")
+
+    def initial_state(self) -> dict:
+        return {"best": None, "best_step": None, "train_at_best": None, "train": None, "streak": 0, "first": None}
+
+    def observe(self, state: dict, obs: Observations) -> list[Finding]:
+        out: list[Finding] = []
+        points = sorted([(s, v, "val") for n in self.names for s, v in obs.series(n)]
+                        + [(s, v, "train") for s, v in obs.series("loss")], key=lambda p: (p[0], p[2] == "val"))
+        for step, value, what in points:
+            if value is None:
+                continue
+            if what == "train":
+                state["train"] = value if state["train"] is None else 0.8 * state["train"] + 0.2 * value
+                held = state.get("holding")
+                if held:  # validation runs rarely: the finding holds until the next evaluation says otherwise
+                    out = [Finding(AnomalyKind.overfitting, Severity.warning, step, message=held["message"],
+                                   evidence=held["evidence"])]
+                continue
+            if state["first"] is None:
+                state["first"] = value
+            if state["best"] is None or value < state["best"]:
+                state.update(best=value, best_step=step, train_at_best=state["train"], streak=0, holding=None)
+                continue
+            rising = value > state["best"] * (1 + self.p.margin) and \
+                value - state["best"] > self.p.min_rise * abs(state["first"])
+            falling = state["train"] is not None and state["train_at_best"] is not None and \
+                state["train"] < state["train_at_best"]
+            if streak(state, "streak", rising and falling) < self.p.patience:
+                state["holding"] = None
+                continue
+            held = {"message": (f"Validation loss {value:.4g} at step {step} is {value / state['best'] - 1:.0%} "
+                                f"above its best {state['best']:.4g} (step {state['best_step']}) while the "
+                                f"training loss fell to {state['train']:.4g}: the model is memorising. Add "
+                                "data or regularisation, or stop at the best checkpoint."),
+                    "evidence": {"val_loss": value, "best_val_loss": state["best"], "best_step": state["best_step"],
+                                 "train_loss": state["train"], "margin": self.p.margin}}
+            state["holding"] = held
+            out = [Finding(AnomalyKind.overfitting, Severity.warning, step, message=held["message"],
+                           evidence=held["evidence"])]
         return out

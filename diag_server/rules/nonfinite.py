@@ -13,7 +13,12 @@ from .base import Finding, Observations, Param, Rule
 # Scalars whose nulls mean "not finite". Anything else a user logs may legitimately be missing.
 _WATCHED_PREFIXES = ("loss", "val_", "sys/", "lr/")
 # Where a NaN shows first, from the earliest point of a step to the latest.
-_COLLECTIONS = ("activations", "gradients", "weights")
+_COLLECTIONS = ("activations", "gradients", "weights", "embeddings")
+# The probe sends this scalar (1.0) at each step an AMP GradScaler skipped (probes/amp.py): Inf/NaN in
+# that step's gradients is the scaler doing its job, not a fault. It always arrives no later than the
+# step's gradients (the probe sends scalars first), so remembering the last few such steps is enough.
+AMP_SKIPPED = "amp/skipped"
+_KEEP_SKIPPED = 256
 
 
 class NonFinite(Rule):
@@ -28,9 +33,13 @@ class NonFinite(Rule):
     }
 
     def initial_state(self) -> dict:
-        return {"first": None, "last": None}
+        return {"first": None, "last": None, "amp_skipped": []}
 
     def observe(self, state: dict, obs: Observations) -> list[Finding]:
+        skipped = state.setdefault("amp_skipped", [])
+        new = [s for s, v in obs.series(AMP_SKIPPED) if v]
+        if new:
+            skipped[:] = sorted(set(skipped) | set(new))[-_KEEP_SKIPPED:]
         bad_steps: list[int] = []
         where: dict[str, tuple[int, str]] = {}  # what -> (first step in this batch, first name)
         for name, points in obs.scalars.items():
@@ -42,6 +51,8 @@ class NonFinite(Rule):
         tensors: list[str] = []
         for collection in _COLLECTIONS:
             for step, rows in obs.sampled(collection):
+                if collection == "gradients" and step in skipped:
+                    continue
                 names = [r["name"] for r in rows if (r.get("nan_count") or 0) + (r.get("inf_count") or 0) > 0]
                 if names:
                     bad_steps.append(step)
@@ -70,4 +81,6 @@ class NonFinite(Rule):
 
 
 def _rank(what: str) -> int:
-    return _COLLECTIONS.index(what) if what in _COLLECTIONS else -1  # a scalar is seen at the same step first
+    # At one step, forward order: activations (from <input> on), then the loss computed from them, then
+    # gradients and weights. A scalar alone (between samples) still names the step.
+    return {"activations": 0, "gradients": 2, "weights": 3}.get(what, 1)

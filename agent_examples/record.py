@@ -1,0 +1,89 @@
+"""Record the agent sessions that tests replay: `python -m agent_examples.record [NAME ...]`.
+
+Each scenario starts a fresh `traindx serve`, runs a seeded fault job against it, and lets the
+scripted agent work over Streamable HTTP through a Recorder. Files land in agent_examples/sessions/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from agent_examples.scripted_agent import call, connect, triage
+from agent_examples.sessions import Recorder, start_job
+
+HERE = Path(__file__).resolve().parent / "sessions"
+
+
+async def _healthy(client: Any, run: str, job: Any) -> None:
+    await asyncio.to_thread(job.join)  # a healthy run: look once it is over, so the recording is not a race
+    await triage(client, run, timeout=2, say=print)
+    await call(client, "list_runs")
+    await call(client, "get_run", run=run)
+    await call(client, "diagnose", run=run)
+
+
+async def _triage(client: Any, run: str, job: Any) -> None:
+    await triage(client, run, timeout=60, verdict_timeout=90, say=print)
+    await call(client, "get_anomalies", run=run)
+    await call(client, "compression_recipe", run=run, target_sparsity=0.5)
+
+
+async def _errors(client: Any, run: str, job: Any) -> None:
+    """What an agent sees when it gets things wrong: an unknown run, an unknown fix, a bad argument."""
+    await asyncio.to_thread(job.join)
+    for tool, args in (("get_anomalies", {"run": "no-such-run"}), ("get_fix_status", {"run": run, "fix_id": "f-999"}),
+                       ("get_anomalies", {"run": run, "limit": 0})):
+        await client.call_tool(tool, args)
+
+
+SCENARIOS: dict[str, tuple[dict, Callable[[Any, str, Any], Awaitable[None]]]] = {
+    "healthy": ({"name": "lr_spike_job", "run": "session-healthy",
+                 "kwargs": {"steps": 600, "fault_step": None, "pace": 0.004}}, _healthy),
+    "exploding_fixed": ({"name": "lr_spike_job", "run": "session-lr-spike",
+                         "kwargs": {"steps": 800, "fault_step": 300, "pace": 0.004}}, _triage),
+    "agent_errors": ({"name": "lr_spike_job", "run": "session-errors",
+                      "kwargs": {"steps": 300, "fault_step": None, "pace": 0.004}}, _errors),
+}
+
+
+def record(name: str, out_dir: Path = HERE) -> Path:
+    from diag_server.demo import _free_port, start_server
+
+    spec, scenario = SCENARIOS[name]
+    data = tempfile.mkdtemp(prefix=f"traindx-record-{name}-")
+    os.environ["TRAINDX_SPOOL"] = os.path.join(data, "spool")
+    port = _free_port()
+    server = start_server(data, port)
+    url = f"http://127.0.0.1:{port}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.jsonl"
+    try:
+        job = start_job(spec, url)
+
+        async def go() -> None:
+            async with connect(f"{url}/mcp", name="traindx-recorder") as client:
+                async with Recorder(client, path, job=spec) as rec:
+                    await scenario(rec, spec["run"], job)
+
+        asyncio.run(go())
+        job.join()
+    finally:
+        server.terminate()
+        server.wait(10)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("names", nargs="*", default=list(SCENARIOS), help=f"scenarios: {', '.join(SCENARIOS)}")
+    for name in ap.parse_args().names:
+        print(f"recorded {record(name)}")
+
+
+if __name__ == "__main__":
+    main()

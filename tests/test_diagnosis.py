@@ -1,0 +1,156 @@
+"""Root-cause diagnosis, evidence on demand and probe.report(): through a real server and without one."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import AUTH
+import torch
+from torch import nn
+
+import probes
+from tests.conftest import ROOT, make_server
+
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.faults import recorded, replay  # noqa: E402
+
+USER_RULE = '''
+from diag_server.rules import Finding, Param, Rule
+from schemas.enums import AnomalyKind, Severity
+
+
+class LossAbove(Rule):
+    name = "loss_above"
+    description = "The loss is above a ceiling the user set."
+    kinds = (AnomalyKind.loss_divergence,)
+    params = {"ceiling": Param(100.0, "the user's own choice", "loss ceiling")}
+
+    def observe(self, state, obs):
+        out = []
+        for step, value in obs.series("loss"):
+            if value is not None and value > self.p.ceiling:
+                out = [Finding(AnomalyKind.loss_divergence, Severity.info, step, f"Loss {value:.3g} is above "
+                               f"{self.p.ceiling}.", key="ceiling")]
+        return out
+'''
+
+
+def _anomalies(url: str, run: str) -> list[dict]:
+    return httpx.get(f"{url}/v1/runs/{run}/anomalies", params={"limit": 500}, headers=AUTH).json()["anomalies"]
+
+
+def test_nan_batch_through_a_real_server(tmp_path):
+    """A NaN batch: nonfinite with its origin, a snapshot of the offending tensors, a user rule, a report."""
+    (tmp_path / "myrules.py").write_text(USER_RULE)
+    srv = make_server(tmp_path, "--rule", "myrules:LossAbove", "--rule-param", "loss_above.ceiling=0.3",
+                      env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    srv.start()
+    try:
+        torch.manual_seed(0)
+        x = torch.randn(512, 8)
+        y = x.sum(1, keepdim=True) / 3
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        probe = probes.attach(model, opt, run="e2e-nan", server=srv.url, interval=5, spool_dir=tmp_path / "spool",
+                              flush_interval=0.05)
+        nonfinite = None
+        for step in range(400):
+            xb, yb = x[(step * 32) % 512:][:32].clone(), y[(step * 32) % 512:][:32]
+            if step == 40:
+                xb[3, 5] = float("nan")  # one corrupt record
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(xb), yb)
+            loss.backward()
+            time.sleep(0.005)  # a bigger model's compute: gives the server's reply time to come back
+            opt.step()
+            probe.step(loss=loss)
+            if step > 40 and step % 10 == 0:
+                probe.flush()
+                found = [a for a in _anomalies(srv.url, "e2e-nan") if a["kind"] == "nonfinite"]
+                if found and found[0]["snapshot"]:
+                    nonfinite = found[0]
+                    break
+        report = probe.report(file=io.StringIO())
+        probe.close()
+
+        assert nonfinite is not None, "the nonfinite anomaly never got its snapshot"
+        assert nonfinite["severity"] == "critical" and nonfinite["first_step"] == 40
+        assert nonfinite["evidence"]["first_tensor"] == "<input>"
+        slices = nonfinite["snapshot"]
+        assert all(s["shape"] and s["dtype"] == "float32" and len(s["values"]) <= 64 for s in slices)
+        assert any(s["nan_count"] > 0 for s in slices)  # the NaN has spread into the layers' outputs
+
+        kinds = {(a["rule"], a["kind"]) for a in _anomalies(srv.url, "e2e-nan")}
+        assert ("loss_above", "loss_divergence") in kinds  # the user's rule, with the user's ceiling
+
+        diag = httpx.get(f"{srv.url}/v1/runs/e2e-nan/diagnosis", headers=AUTH).json()
+        assert diag["causes"][0]["kind"] == "nonfinite", diag["report"]
+        assert any("step 40" in c and "'<input>'" in c for c in diag["context"]), diag["context"]
+        assert "Diagnosis of run e2e-nan" in report and "nonfinite" in report
+    finally:
+        srv.stop()
+
+
+def test_report_without_a_server_imports_the_server_only_then(tmp_path):
+    script = f'''
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch
+torch.set_num_threads(1)
+import probes
+from benchmarks.faults import nan_batch
+made = []
+def attach(model, opt):
+    made.append(probes.attach(model, opt, run="offline", server=False, interval=5))
+    return made[0]
+nan_batch(attach, 0)
+assert "diag_server" not in sys.modules, "the training job imported the server"
+text = made[0].report()
+assert "diag_server" in sys.modules
+'''
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "TRAINDX_DATA": str(tmp_path / "data"), "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Diagnosis of run offline" in out.stdout
+    assert "nonfinite from step 60" in out.stdout
+    assert "the model's input itself held 1 NaN/Inf value(s) at step 60: one bad batch" in out.stdout
+
+
+def test_diagnosis_links_consequences_and_compares_with_an_earlier_run_of_the_same_model(tmp_path):
+    from diag_server.diagnosis import diagnose
+    from diag_server.store import Store
+
+    slow = recorded("slow_data_loader")
+    # The same model and loop, recorded earlier with a fast loader: its step times are the reference.
+    fast = [dict(e, values={k: (v / 10 if k.startswith("sys/") and v else v) for k, v in e["values"].items()})
+            if e["kind"] == "scalars" else e for e in slow]
+    replay(fast, tmp_path, run="before")
+    time.sleep(0.01)
+    replay(slow, tmp_path, run="after")
+    store = Store(tmp_path)
+    try:
+        d = diagnose(store, "after")
+        assert d.causes[0].kind.value == "dataloader_bottleneck", d.report
+        assert any("earlier run 'before'" in h and "step time" in h for h in d.history), d.history
+        assert "Compared with history" in d.report
+    finally:
+        store.close()
+
+    deep = replay(recorded("too_high_lr"), tmp_path, run="lr")
+    store = Store(tmp_path)
+    try:
+        d = diagnose(store, "lr")
+        first = d.causes[0]
+        assert first.step == 100 and first.kind.value in ("abnormal_update_ratio", "exploding_gradient"), d.report
+        assert {a.id for a in deep if a.kind in ("nonfinite", "loss_divergence")} <= set(first.consequences), d.report
+        assert any("learning rate changed from 0.02 to 2" in c for c in d.context), d.report
+    finally:
+        store.close()

@@ -1,0 +1,413 @@
+"""The embeddings collection, its rules and its fix: small tables, real training, one real server."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import httpx
+
+from tests.conftest import AUTH
+import pytest
+import torch
+
+import probes
+from diag_server.rules import Observations
+from diag_server.rules.embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
+from probes.embeddings import EMA_ALPHA, NOISE_SNR, SKETCH_DIM, SLOW_ALPHA, Embeddings, TableState
+from schemas import IngestBatch
+from schemas.enums import AnomalyKind
+
+
+class Toy(torch.nn.Module):
+    """A table whose rows are pulled towards per-row targets: out[row] = <w[row], c>."""
+
+    def __init__(self, rows: int = 12, dim: int = 2, *, sparse: bool = False, bag: bool = False) -> None:
+        super().__init__()
+        cls = torch.nn.EmbeddingBag if bag else torch.nn.Embedding
+        kw = {"mode": "sum"} if bag else {}
+        self.table = cls(rows, dim, sparse=sparse, **kw)
+        self.bag = bag
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.table(ids[:, None]) if self.bag else self.table(ids)
+        return out.sum(dim=1)
+
+
+def toggling_targets(step: int, rows: int, zombies: set[int], gen: torch.Generator) -> torch.Tensor:
+    """Healthy rows: a fixed target plus noise. Zombie rows: +2 / -2 on alternate steps."""
+    t = 1.0 + 0.3 * torch.randn(rows, generator=gen)
+    for z in zombies:
+        t[z] = 2.0 if step % 2 else -2.0
+    return t
+
+
+def train(model: Toy, probe: probes.Probe | None, steps: int, *, ids: torch.Tensor, zombies: set[int] = frozenset(),
+          lr: float = 0.05, opt: torch.optim.Optimizer | None = None, seed: int = 0, after_step=None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    opt = opt or torch.optim.SGD(model.parameters(), lr=lr)
+    rows = model.table.weight.shape[0]
+    for step in range(steps):
+        target = toggling_targets(step, rows, zombies, gen)[ids]
+        loss = ((model(ids) - target) ** 2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if probe is not None:
+            probe.step(loss=loss)
+        if after_step:
+            after_step(step)
+
+
+def attach(model: torch.nn.Module, opt: torch.optim.Optimizer | None, interval: int = 10, **kw) -> tuple[probes.Probe, probes.MemorySink]:
+    sink = probes.MemorySink()
+    probe = probes.attach(model, opt, sink=sink, run="emb", collections={"embeddings": interval}, **kw)
+    return probe, sink
+
+
+def summaries(sink: probes.MemorySink) -> list[tuple[int, dict]]:
+    out = []
+    for b in sink.batches:
+        IngestBatch.model_validate(b)  # what the probe sends is what the contract says
+        for ev in b["events"]:
+            if ev["kind"] == "tensor_stats" and ev["collection"] == "embeddings":
+                out += [(ev["step"], r) for r in ev["rows"]]
+    return out
+
+
+def table_state(probe: probes.Probe) -> TableState:
+    return next(c for c in probe.collections if isinstance(c, Embeddings)).tables[0]
+
+
+# -- statistics ----------------------------------------------------------------------------------------------
+def reference(grads: list[list[float]]) -> dict:
+    """The per-row statistics by hand, in plain floats, for a table at most SKETCH_DIM wide."""
+    m = [0.0] * len(grads[0])
+    prev = [0.0] * len(m)
+    num = den = sq = msq = 0.0
+    for t, g in enumerate(grads, 1):
+        a_fast, a_slow = max(1 / t, EMA_ALPHA), max(1 / t, SLOW_ALPHA)
+        inno = [x - y for x, y in zip(g, m)]
+        if t >= 3:
+            a = max(1 / (t - 2), SLOW_ALPHA)
+            num += a * (sum(x * y for x, y in zip(inno, prev)) - num)
+            den += a * (math.hypot(*inno) * math.hypot(*prev) - den)
+        prev = inno
+        m = [y + a_fast * (x - y) for x, y in zip(g, m)]
+        sq += a_slow * (sum(x * x for x in g) - sq)
+        warm = t - 1 / EMA_ALPHA
+        if warm >= 1:
+            msq += max(1 / warm, SLOW_ALPHA) * (sum(x * x for x in m) - msq)
+    return {"touches": len(grads), "consistency": num / den, "grad_sq": sq, "snr": msq / (sq - msq)}
+
+
+def test_row_statistics_match_a_hand_computation() -> None:
+    torch.manual_seed(0)
+    model = Toy(rows=6, dim=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, _ = attach(model, opt)
+    ids = torch.tensor([0, 1, 2, 3])  # rows 4 and 5 are never looked up
+    seen: dict[int, list[list[float]]] = {i: [] for i in range(4)}
+
+    def record(step: int) -> None:
+        for i in range(4):
+            seen[i].append(model.table.weight.grad[i].tolist())
+
+    train(model, probe, 30, ids=ids, zombies={0}, opt=opt, after_step=record)
+    t = table_state(probe)
+    for i in range(4):
+        ref = reference(seen[i])
+        assert int(t.touches[i]) == ref["touches"] == 30
+        # The previous innovation is kept in bfloat16 (3 significant digits): hence the tolerance.
+        assert float(t.consistency[i]) == pytest.approx(ref["consistency"], rel=2e-3, abs=1e-4)
+        assert float(t.grad_sq[i]) == pytest.approx(ref["grad_sq"], rel=1e-4)
+        assert float(t.snr()[i]) == pytest.approx(ref["snr"], rel=1e-3)
+    assert t.touches[4:].tolist() == [0, 0]
+    assert float(t.consistency[0]) < -0.9  # row 0's gradient reverses every step
+    assert all(float(t.consistency[i]) > 0 for i in (1, 2, 3))  # still drifting towards their targets
+    probe.close()
+
+
+def test_velocity_is_the_ema_of_the_row_step() -> None:
+    torch.manual_seed(0)
+    model = Toy(rows=3, dim=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe, _ = attach(model, opt)
+    steps = []
+    gen = torch.Generator().manual_seed(1)
+    for s in range(12):
+        w0 = model.table.weight.detach().clone()
+        loss = ((model(torch.tensor([0, 1])) - torch.randn(2, generator=gen)) ** 2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+        steps.append((model.table.weight.detach() - w0)[0].norm().item())
+    v = 0.0
+    for t, x in enumerate(steps, 1):
+        v += max(1 / t, EMA_ALPHA) * (x - v)
+    assert float(table_state(probe).velocity[0]) == pytest.approx(v, rel=1e-5)
+    probe.close()
+
+
+def test_memory_is_o_rows_and_never_a_copy_of_the_table() -> None:
+    per_row = []
+    for rows, dim in ((1000, 4), (1000, 64), (50_000, 64), (50_000, 256)):
+        m = torch.nn.Embedding(rows, dim)
+        t = TableState("w", m.weight, [m])
+        per_row.append(t.state_bytes() / rows)
+        for name, x in vars(t).items():
+            if isinstance(x, torch.Tensor) and x.dim() == 2 and name not in ("proj", "weight"):
+                assert x.shape[1] <= 8 + 2 * SKETCH_DIM, name  # per-row state does not grow with the row's width
+    assert max(per_row) == per_row[1] == per_row[2] == per_row[3]  # bytes per row: independent of rows and width
+    assert per_row[1] == 96  # 24 float32 a row: below a 32-wide float32 row (128 bytes), whatever the width
+
+
+@pytest.mark.parametrize("bag", [False, True])
+def test_sparse_and_dense_gradients_give_the_same_statistics(bag: bool) -> None:
+    states = []
+    for sparse in (False, True):
+        torch.manual_seed(0)
+        model = Toy(rows=10, dim=3, sparse=sparse, bag=bag)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        probe, sink = attach(model, opt)
+        train(model, probe, 25, ids=torch.tensor([0, 1, 2, 2, 5]), zombies={1}, opt=opt)
+        probe.close()
+        t = table_state(probe)
+        assert t.sparse == sparse
+        states.append(t)
+        e = summaries(sink)[-1][1]["embedding"]
+        assert e["never_updated"] == 6 and e["dead_ids"] == [3, 4, 6, 7, 8, 9]
+    dense, sparse_ = states
+    assert torch.equal(dense.touches, sparse_.touches)
+    assert torch.allclose(dense.consistency, sparse_.consistency, atol=1e-5)
+    assert torch.allclose(dense.grad_sq, sparse_.grad_sq, rtol=1e-5)
+    assert torch.allclose(dense.velocity, sparse_.velocity, rtol=1e-5)
+
+
+def test_sparse_adam_and_untracked_steps() -> None:
+    torch.manual_seed(0)
+    model = Toy(rows=50, dim=16, sparse=True)
+    opt = torch.optim.SparseAdam(model.parameters(), lr=0.01)
+    probe, sink = attach(model, opt, interval=5)
+    train(model, probe, 12, ids=torch.arange(10), opt=opt)
+    probe.close()
+    steps = [s for s, _ in summaries(sink)]
+    assert steps == [0, 5, 10]  # tracked every step, reported every interval
+    scalar_events = [e for b in sink.batches for e in b["events"] if e["kind"] == "scalars"]
+    assert scalar_events  # losses still reach the server
+    e = summaries(sink)[-1][1]["embedding"]
+    assert e["touched_rows"] == 10 and e["never_updated"] == 40 and e["sparse"] is True
+
+
+# -- rules ---------------------------------------------------------------------------------------------------
+def obs_of(sink: probes.MemorySink) -> Observations:
+    obs = Observations(run="emb", interval=10)
+    for step, row in summaries(sink):
+        obs.stats.setdefault("embeddings", {}).setdefault(step, []).append(row)
+    return obs
+
+
+def test_zombie_rule_names_the_rows_whose_updates_reverse() -> None:
+    torch.manual_seed(0)
+    model = Toy(rows=40, dim=2)
+    probe, sink = attach(model, torch.optim.SGD(model.parameters(), lr=0.05), interval=20)
+    train(model, probe, 81, ids=torch.arange(40), zombies={3, 17, 29}, opt=probe.optimizer)
+    probe.close()
+    found = ZombieEmbedding().observe({}, obs_of(sink))
+    assert len(found) == 1
+    f = found[0]
+    assert f.kind == AnomalyKind.zombie_embedding and f.tensors == ["table.weight"]
+    assert sorted(int(r) for r in f.evidence["rows"]) == [3, 17, 29]
+    assert f.evidence["fraction"] == pytest.approx(3 / 40)
+
+    torch.manual_seed(0)
+    model = Toy(rows=40, dim=2)
+    probe, sink = attach(model, torch.optim.SGD(model.parameters(), lr=0.05), interval=20)
+    train(model, probe, 81, ids=torch.arange(40), opt=probe.optimizer)
+    probe.close()
+    assert ZombieEmbedding().observe({}, obs_of(sink)) == []
+
+
+@pytest.mark.parametrize("setting", ["plain", "l2", "nan"])
+def test_dead_rule_names_never_updated_rows_under_l2_and_after_nan(setting: str) -> None:
+    torch.manual_seed(0)
+    model = Toy(rows=30, dim=4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    probe, sink = attach(model, opt, interval=20)
+    looked_up = torch.tensor([i for i in range(30) if i not in (4, 9, 22)])
+    gen = torch.Generator().manual_seed(0)
+    for step in range(61):
+        ids = looked_up[torch.randint(0, len(looked_up), (16,), generator=gen)]
+        loss = ((model(ids) - 1.0) ** 2).mean()
+        if setting == "l2":
+            loss = loss + 1e-3 * (model.table.weight ** 2).sum()  # every row gets a gradient
+        if setting == "nan" and step == 45:
+            loss = loss * float("nan")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+    probe.close()
+    found = DeadEmbedding().observe({}, obs_of(sink))
+    assert len(found) == 1
+    assert sorted(int(r) for r in found[0].evidence["rows"]) == [4, 9, 22]
+    e = summaries(sink)[-1][1]["embedding"]
+    if setting == "nan":
+        assert e["nonfinite_rows"] > 0 and not set(e["nonfinite_ids"]) & {4, 9, 22}
+        assert found[0].evidence["nonfinite_rows"] == e["nonfinite_rows"]
+    else:
+        assert e["nonfinite_rows"] == 0
+
+
+def test_dead_rule_waits_for_enough_updates_and_spares_a_healthy_table() -> None:
+    torch.manual_seed(0)
+    model = Toy(rows=10, dim=4)
+    probe, sink = attach(model, torch.optim.SGD(model.parameters(), lr=0.01), interval=5)
+    train(model, probe, 6, ids=torch.arange(5), opt=probe.optimizer)  # 6 updates: too early to judge
+    assert DeadEmbedding().observe({}, obs_of(sink)) == []
+    train(model, probe, 30, ids=torch.arange(10), opt=probe.optimizer)
+    probe.close()
+    assert DeadEmbedding().observe({}, obs_of(sink)) == []  # every row is updated now
+
+
+def test_collapse_rule_fires_on_collapsed_rows_only() -> None:
+    for collapsed in (True, False):
+        torch.manual_seed(0)
+        model = Toy(rows=200, dim=16)
+        if collapsed:
+            with torch.no_grad():
+                model.table.weight.copy_(torch.randn(16) + 0.01 * torch.randn(200, 16))
+        probe, sink = attach(model, torch.optim.SGD(model.parameters(), lr=1e-4), interval=5)
+        train(model, probe, 6, ids=torch.arange(200), opt=probe.optimizer)
+        probe.close()
+        found = EmbeddingCollapse().observe({}, obs_of(sink))
+        assert bool(found) == collapsed
+        if collapsed:
+            assert found[0].evidence["mean_cosine"] > 0.9
+
+
+def test_rules_ignore_other_collections_and_round_trip_state() -> None:
+    obs = Observations(run="r", stats={"weights": {0: [{"name": "w", "norm": 1.0}]}})
+    for rule in (ZombieEmbedding(), DeadEmbedding(), EmbeddingCollapse()):
+        assert rule.observe(rule.initial_state(), obs) == []
+        assert rule.describe()["params"]  # every threshold is documented
+
+
+# -- the fix -------------------------------------------------------------------------------------------------
+def test_fix_scales_the_affected_rows_updates_and_reverts() -> None:
+    torch.manual_seed(0)
+    model = Toy(rows=12, dim=2)
+    lr = 0.05
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    probe, sink = attach(model, opt, allow={"embedding_grad_scale": {"min_factor": 0.05}})
+    ids = torch.arange(12)
+    train(model, probe, 40, ids=ids, zombies={2, 7}, opt=opt)
+    t = table_state(probe)
+    sink.commands.append({"fix_id": "f-1", "action": "embedding_grad_scale",
+                          "params": {"table": "table.weight", "rows": [2, 7], "min_factor": 0.1}})
+    probe.flush()
+
+    def one_step(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(100 + step)
+        target = toggling_targets(step, 12, {2, 7}, gen)
+        w0 = model.table.weight.detach().clone()
+        loss = ((model(ids) - target) ** 2).sum()
+        opt.zero_grad()
+        loss.backward()
+        grad = model.table.weight.grad.detach().clone()
+        opt.step()
+        probe.step(loss=loss)
+        return model.table.weight.detach() - w0, grad
+
+    one_step(40)  # the command is applied at this step boundary, from the statistics as they are then
+    probe.flush()
+    expected = torch.ones(12)
+    snr = t.snr()
+    ref = min(float(snr[t.eligible()].median()), NOISE_SNR)
+    for r in (2, 7):
+        expected[r] = float((snr[r] / ref).clamp(0.1, 1.0))
+    assert expected[2] < 0.5 and expected[7] < 0.5  # zombie rows: their gradient cancels, they are damped
+    acks = [e for b in sink.batches for e in b["events"] if e["kind"] == "fix_ack"]
+    assert acks and acks[-1]["status"] == "applied", acks
+    assert acks[-1]["after"]["rows"] == 2 and acks[-1]["after"]["row_ids"] == ["2", "7"]
+    delta, grad = one_step(41)
+    assert torch.allclose(delta, -lr * grad * expected[:, None], atol=1e-7)
+    sink.commands.append({"fix_id": "f-1", "op": "revert", "action": "embedding_grad_scale"})
+    probe.flush()
+    one_step(42)
+    probe.flush()
+    acks = [e for b in sink.batches for e in b["events"] if e["kind"] == "fix_ack"]
+    assert acks[-1]["status"] == "reverted"
+    delta, grad = one_step(43)
+    assert torch.allclose(delta, -lr * grad, atol=1e-7)  # every row takes its full step again
+    probe.close()
+
+
+def test_fix_refuses_bad_parameters_and_a_missing_collection() -> None:
+    torch.manual_seed(0)
+    model = Toy(rows=5, dim=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, sink = attach(model, opt, allow=["embedding_grad_scale"])
+    for fid, params in (("f-1", {"table": "nope"}), ("f-2", {"table": "table.weight", "min_factor": 0.0001}),
+                        ("f-3", {"table": "table.weight", "rows": [99]})):
+        sink.commands.append({"fix_id": fid, "action": "embedding_grad_scale", "params": params})
+    probe.flush()
+    train(model, probe, 2, ids=torch.arange(5), opt=opt)
+    probe.flush()
+    acks = [e for b in sink.batches for e in b["events"] if e["kind"] == "fix_ack"]
+    assert [a["status"] for a in acks] == ["rejected"] * 3
+    assert "no embedding table" in acks[0]["reason"] and "bounds" in acks[1]["reason"]
+    probe.close()
+    bare = probes.attach(model, opt, sink=probes.MemorySink(), collections=["weights"], allow=["embedding_grad_scale"])
+    bare._inbox.append({"fix_id": "f-9", "action": "embedding_grad_scale", "params": {"table": "table.weight"}})
+    bare.step()
+    bare.close()
+    ack = [e for b in bare.sender.sink.batches for e in b["events"] if e["kind"] == "fix_ack"][0]
+    assert ack["status"] == "rejected" and "embeddings collection" in ack["reason"]
+
+
+# -- end to end ----------------------------------------------------------------------------------------------
+def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
+    torch.manual_seed(0)
+    model = Toy(rows=40, dim=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe = probes.attach(model, opt, server=server.url, run="emb-e2e", collections={"embeddings": 20},
+                          allow=["embedding_grad_scale"])
+    ids = torch.tensor([i for i in range(40) if i not in (5, 33)])  # rows 5 and 33: never looked up
+    train(model, probe, 81, ids=ids, zombies={3, 17, 29}, opt=opt)
+    assert probe.flush()
+    base = f"{server.url}/v1/runs/emb-e2e"
+    page = httpx.get(f"{base}/anomalies", headers=AUTH).json()
+    by_kind = {a["kind"]: a for a in page["anomalies"]}
+    assert sorted(int(r) for r in by_kind["dead_embedding"]["evidence"]["rows"]) == [5, 33]
+    zombie = by_kind["zombie_embedding"]
+    assert sorted(int(r) for r in zombie["evidence"]["rows"]) == [3, 17, 29]
+    assert zombie["tensors"] == ["table.weight"]
+    fixes = httpx.post(f"{base}/anomalies/{zombie['id']}/propose", headers=AUTH).json()["fixes"]
+    assert [f["action"] for f in fixes] == ["embedding_grad_scale"] * 2
+    assert fixes[0]["params"]["table"] == "table.weight" and "rows" not in fixes[0]["params"]  # the whole table
+    assert sorted(fixes[1]["params"]["rows"]) == [3, 17, 29]  # only the named rows
+    fix_id = fixes[1]["id"]
+    assert httpx.post(f"{base}/fixes/{fix_id}/apply", headers=AUTH).json()["status"] == "pending"
+    status = None
+    for step in range(200):
+        train(model, probe, 1, ids=ids, zombies={3, 17, 29}, opt=opt, seed=1000 + step)
+        probe.flush()
+        status = httpx.get(f"{base}/fixes/{fix_id}", headers=AUTH).json()
+        if status["status"] not in ("pending",):
+            break
+        time.sleep(0.05)
+    assert status["status"] == "applied", status
+    # Named rows whose SNR is below the reference are damped (a named row with more signal keeps factor 1).
+    assert 1 <= status["after"]["rows"] <= 3 and set(status["after"]["row_ids"]) <= {"3", "17", "29"}
+    assert httpx.post(f"{base}/fixes/{fix_id}/revert", headers=AUTH).status_code == 200
+    for step in range(200):
+        train(model, probe, 1, ids=ids, zombies={3, 17, 29}, opt=opt, seed=2000 + step)
+        probe.flush()
+        status = httpx.get(f"{base}/fixes/{fix_id}", headers=AUTH).json()
+        if status["status"] == "reverted":
+            break
+        time.sleep(0.05)
+    assert status["status"] == "reverted"
+    probe.close()

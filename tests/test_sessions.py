@@ -1,0 +1,61 @@
+"""Recorded agent sessions replay against a fresh server driven by the same seeded training run."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent_examples.scripted_agent import connect
+from agent_examples.sessions import SessionError, diff, load, mask, replay, start_job
+from tests.conftest import ROOT
+
+SESSIONS = sorted((ROOT / "agent_examples" / "sessions").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("path", SESSIONS, ids=lambda p: p.stem)
+def test_recorded_session_replays(server, path):
+    header, calls = load(path)
+    assert header["protocol_version"] and header["server_version"]
+    job = start_job(header["job"], server.url, spool_dir=str(server.data_dir / "spool"))
+
+    async def go():
+        async with connect(f"{server.url}/mcp", name="replay-test") as client:
+            return await replay(client, calls, timeout=90)
+
+    report = asyncio.run(go())
+    job.join(120)
+    assert report.ok, [(m.seq, m.tool, m.differences[:5]) for m in report.mismatches]
+
+
+def test_replay_over_stdio_with_the_cli(server):
+    path = ROOT / "agent_examples" / "sessions" / "healthy.jsonl"
+    header, _ = load(path)
+    job = start_job(header["job"], server.url, spool_dir=str(server.data_dir / "spool"))
+    job.join(120)
+    out = subprocess.run([sys.executable, "-m", "diag_server.cli", "replay", str(path), "--against", "stdio",
+                          "--data", str(server.data_dir)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 differ" in out.stdout
+
+
+def test_a_changed_meaning_is_reported():
+    recorded = {"anomalies": [{"id": "a-1", "kind": "loss_divergence", "first_step": 310, "message": "x"}]}
+    same = {"anomalies": [{"id": "a-7", "kind": "loss_divergence", "first_step": 344, "message": "y"}]}
+    other = {"anomalies": [{"id": "a-1", "kind": "exploding_gradient", "first_step": 310, "message": "x"}]}
+    assert diff(mask(recorded), mask(same)) == []
+    assert diff(mask(recorded), mask(other)) == ["$.anomalies[0].kind: 'loss_divergence' != 'exploding_gradient'"]
+    assert diff(mask(recorded), mask({"anomalies": []})) == ["$.anomalies: 1 items recorded, 0 replayed"]
+
+
+def test_a_malformed_session_is_refused(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"type": "call", "tool": "x", "arguments": {}}\n')
+    with pytest.raises(SessionError, match="no header"):
+        load(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(SessionError, match="bad.jsonl:1: not JSON"):
+        load(bad)
