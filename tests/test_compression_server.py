@@ -9,7 +9,7 @@ import httpx
 import jsonschema
 import torch
 from lxml import etree
-from mcp import Client
+from agent_examples.scripted_agent import connect
 
 import probes
 from diag_server.xml import xsd_schema
@@ -20,7 +20,7 @@ from tests.test_compression_probe import data, tiny  # noqa: E402
 
 
 async def _mcp_recipe(url: str):
-    async with Client(url) as client:
+    async with connect(url) as client:  # with the server's token (TRAINDX_TOKEN), as agents send it
         return await client.call_tool("compression_recipe", {"run": "cx-1", "target_sparsity": 0.6})
 
 
