@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -154,7 +156,20 @@ def connect(server: str | None = None, *, stdio_data: str | None = None, name: s
     if stdio_data is not None:
         params = StdioServerParameters(command=sys.executable, args=["-m", "diag_server.cli", "mcp", "--data", stdio_data])
         return Client(params, client_info=info)
+    token = os.environ.get("TRAINDX_TOKEN")
+    if token:  # the server needs its token on /mcp (docs/security.md); the client passes it as a header
+        return Client(_with_token(server, token), client_info=info)
     return Client(server, client_info=info)
+
+
+@contextlib.asynccontextmanager
+async def _with_token(url: str, token: str):  # noqa: ANN202 - a Transport: yields the client's streams
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
+
+    async with create_mcp_http_client(headers={"authorization": f"Bearer {token}"}) as http:
+        async with streamable_http_client(url, http_client=http) as streams:
+            yield streams
 
 
 async def main_async(args: argparse.Namespace) -> int:

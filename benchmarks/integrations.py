@@ -79,7 +79,9 @@ def metrics_scrape(runs: int, repeats: int) -> tuple[float, float]:
             ingest(services.store, services.engine,
                    IngestBatch.model_validate({"batch_id": uuid.uuid4().hex, "run": f"run-{r}", "seq": 0,
                                                "events": events}))
-        with TestClient(create_app(services=services)) as client:
+        app = create_app(services=services)  # the token: services.settings.token, generated in the data dir
+        with TestClient(app, base_url="http://127.0.0.1",
+                        headers={"authorization": f"Bearer {services.settings.token}"}) as client:
             metrics, health = [], []
             for _ in range(repeats):
                 t0 = time.perf_counter()

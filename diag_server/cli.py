@@ -21,14 +21,39 @@ def main() -> None:
     """traindx: look inside a running PyTorch training job, find what is wrong, fix it live."""
 
 
+def _token(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and (len(value) < 16 or not value.isprintable() or " " in value):
+        raise click.BadParameter("a token needs at least 16 printable characters and no spaces "
+                                 "(leave it out and the server generates one in DATA/token)")
+    return value
+
+
 @main.command()
-@click.option("--host", default=lambda: os.environ.get("TRAINDX_HOST", "127.0.0.1"), show_default="127.0.0.1",
-              help="Interface to bind. Env: TRAINDX_HOST.")
-@click.option("--port", type=int, default=lambda: int(os.environ.get("TRAINDX_PORT", "8765")), show_default="8765",
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="TRAINDX_HOST",
+              help="Interface to bind. Anything but loopback also needs --allow-remote. Env: TRAINDX_HOST.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8765, show_default=True, envvar="TRAINDX_PORT",
               help="Port. Env: TRAINDX_PORT.")
-@click.option("--token", default=lambda: os.environ.get("TRAINDX_TOKEN"),
-              help="Require 'Authorization: Bearer TOKEN' on ingest and write routes. Env: TRAINDX_TOKEN.")
-@click.option("--log-level", default="warning", show_default=True)
+@click.option("--allow-remote", is_flag=True, envvar="TRAINDX_ALLOW_REMOTE",
+              help="Allow binding to a non-loopback interface (the token is then the only thing between the "
+                   "network and your training jobs). Env: TRAINDX_ALLOW_REMOTE=1.")
+@click.option("--token", default=None, envvar="TRAINDX_TOKEN", callback=_token,
+              help="The bearer token every route but /health needs. Default: DATA/token, generated (0600) on "
+                   "first start. Env: TRAINDX_TOKEN.")
+@click.option("--open-reads", is_flag=True, envvar="TRAINDX_OPEN_READS",
+              help="Serve GET routes without the token (writes, ingest and /mcp still need it). "
+                   "Env: TRAINDX_OPEN_READS=1.")
+@click.option("--allow-host", "allow_hosts", multiple=True, envvar="TRAINDX_ALLOW_HOSTS",
+              help="Another Host name clients may use (DNS-rebinding check); repeatable; '*' switches the check "
+                   "off. Env: TRAINDX_ALLOW_HOSTS (space-separated).")
+@click.option("--max-data-mb", type=click.FloatRange(min=1, max=1e9), default=None, envvar="TRAINDX_MAX_DATA_MB",
+              help="Size cap of the data directory: a warning from 80%, ingest refused (507; probes spool) at "
+                   "the cap. Env: TRAINDX_MAX_DATA_MB.")
+@click.option("--max-pending-ingest", type=click.IntRange(1, 10000), default=16, show_default=True,
+              envvar="TRAINDX_MAX_PENDING_INGEST",
+              help="Ingest requests waiting to be stored at once; beyond it the server answers 503 with Retry-After "
+                   "and probes keep their batches in their spools. Env: TRAINDX_MAX_PENDING_INGEST.")
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("--rule", "rules", multiple=True, metavar="MODULE:CLASS",
               help="Add a rule of your own (a Rule subclass). Repeatable. Env: TRAINDX_RULES (comma-separated).")
 @click.option("--rule-param", "rule_params", multiple=True, metavar="RULE.PARAM=VALUE",
@@ -36,21 +61,34 @@ def main() -> None:
 @click.option("--disable-rule", "disabled", multiple=True, metavar="RULE",
               help="Switch a rule off. Repeatable. Env: TRAINDX_DISABLE_RULES.")
 @_data_option
-def serve(host: str, port: int, token: str | None, log_level: str, rules: tuple[str, ...],
+def serve(host: str, port: int, allow_remote: bool, token: str | None, open_reads: bool, allow_hosts: tuple[str, ...],
+          max_data_mb: float | None, max_pending_ingest: int, log_level: str, rules: tuple[str, ...],
           rule_params: tuple[str, ...], disabled: tuple[str, ...], data_dir: Path) -> None:
     """Serve ingest, the REST API (/v1), MCP over Streamable HTTP (/mcp) and health (/health)."""
     import uvicorn
 
     from .app import create_app
     from .rule_config import engine_settings
+    from .security import is_loopback
     from .services import Settings
 
+    if not is_loopback(host) and not allow_remote:
+        raise click.UsageError(f"--host {host} would expose the server beyond this machine; pass --allow-remote "
+                               "to mean it (every route but /health then needs the token)")
     try:
         engine = engine_settings(list(rules), list(rule_params), list(disabled))
     except (ValueError, ImportError) as e:
         raise click.BadParameter(str(e), param_hint="rules") from None
-    app = create_app(Settings(host=host, port=port, data_dir=data_dir, token=token, engine=engine))
-    click.echo(f"traindx serving on http://{host}:{port} (MCP at /mcp), data in {data_dir}", err=True)
+    settings = Settings(host=host, port=port, data_dir=data_dir, token=token, open_reads=open_reads,
+                        allowed_hosts=allow_hosts, max_pending_ingest=max_pending_ingest, engine=engine,
+                        max_data_bytes=int(max_data_mb * 1e6) if max_data_mb is not None else None)
+    app = create_app(settings)
+    services = app.state.services
+    where = "(given)" if token else str(data_dir / "token")
+    click.echo(f"traindx serving on http://{host}:{port} (MCP at /mcp), data in {data_dir}; store check: "
+               f"{services.store_status}; token {where}", err=True)
+    if is_loopback(host):
+        click.echo(f"dashboard: http://127.0.0.1:{port}/?token={settings.token}", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
@@ -93,11 +131,45 @@ def import_(files: tuple[Path, ...], data_dir: Path) -> None:
 
 @main.command()
 @click.argument("run")
-@click.option("--tensorboard", "tensorboard_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+@click.option("--jsonl", "jsonl", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+              help="Write the run as JSON lines (importable with `traindx import`); '-' for stdout.")
+@click.option("--tensorboard", "tensorboard_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write TensorBoard event files under DIR/RUN (an earlier export there is replaced).")
 @_data_option
-def export(run: str, tensorboard_dir: Path, data_dir: Path) -> None:
-    """Export a run from the store: scalars, tensor statistics, histograms, anomalies and fixes."""
+def export(run: str, jsonl: Path | None, tensorboard_dir: Path | None, data_dir: Path) -> None:
+    """Export a run: --jsonl (events `traindx import` loads back, then anomalies, fixes and audit) and/or
+    --tensorboard (scalars, tensor statistics, histograms, anomalies and fixes)."""
+    if jsonl is None and tensorboard_dir is None:
+        raise click.UsageError("say where to: --jsonl FILE and/or --tensorboard DIR")
+    if jsonl is not None:
+        _export_jsonl(run, jsonl, data_dir)
+    if tensorboard_dir is not None:
+        _export_tensorboard(run, tensorboard_dir, data_dir)
+
+
+def _export_jsonl(run: str, jsonl: Path, data_dir: Path) -> None:
+    from .errors import ApiError
+    from .retention import export_run
+    from .store import Store
+
+    store = Store(data_dir)
+    try:
+        if str(jsonl) == "-":
+            counts = export_run(store, run, sys.stdout.buffer)
+        else:
+            tmp = jsonl.with_name(jsonl.name + ".partial")
+            with open(tmp, "wb") as fh:
+                counts = export_run(store, run, fh)
+            tmp.replace(jsonl)  # a crash mid-export leaves no file that looks complete
+    except ApiError as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        store.close()
+    click.echo(f"{run}: {counts['events']} events in {counts['batches']} batches, {counts['records']} records "
+               f"-> {jsonl}", err=True)
+
+
+def _export_tensorboard(run: str, tensorboard_dir: Path, data_dir: Path) -> None:
     from .errors import ApiError
     from .tensorboard import export_run, open_store_readonly
 
@@ -116,6 +188,43 @@ def export(run: str, tensorboard_dir: Path, data_dir: Path) -> None:
     click.echo(f"{tensorboard_dir / run}: {counts['scalars']} scalar points, {counts['tensor_scalars']} tensor "
                f"statistics, {counts['histograms']} histograms, {counts['texts']} anomaly/fix notes; "
                f"open with: tensorboard --logdir {tensorboard_dir}")
+
+
+@main.command()
+@click.argument("run")
+@click.option("--force", is_flag=True, help="Delete even if the run is still streaming.")
+@click.option("--server", default=None, envvar="TRAINDX_SERVER",
+              help="Ask this running server to delete it (needs its token: TRAINDX_TOKEN or DATA/token); "
+                   "default: delete from the data directory directly.")
+@click.confirmation_option(prompt="Delete the run and everything stored about it?")
+@_data_option
+def delete(run: str, force: bool, server: str | None, data_dir: Path) -> None:
+    """Delete a run (export it first with `traindx export RUN --jsonl FILE`)."""
+    from .errors import ApiError
+
+    if server:
+        import httpx
+
+        from .security import read_token_file
+
+        token = os.environ.get("TRAINDX_TOKEN") or read_token_file(data_dir) or ""
+        r = httpx.delete(f"{server.rstrip('/')}/v1/runs/{run}", params={"force": str(force).lower()},
+                         headers={"authorization": f"Bearer {token}"}, timeout=60)
+        if r.status_code != 204:
+            raise click.ClickException(f"{server} answered {r.status_code}: {r.text[:500]}")
+        click.echo(f"{run} deleted", err=True)
+        return
+    from .retention import delete_run
+    from .store import Store
+
+    store = Store(data_dir)
+    try:
+        counts = delete_run(store, run, force=force)
+    except ApiError as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        store.close()
+    click.echo(f"{run} deleted: " + ", ".join(f"{n} {t}" for t, n in counts.items() if n), err=True)
 
 
 @main.command()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -29,6 +30,9 @@ def _free_port() -> int:
 
 
 def start_server(data_dir: str, port: int) -> subprocess.Popen:
+    """`traindx serve` on loopback. Its token goes in this process's TRAINDX_TOKEN (made up when unset),
+    which the server, the probes and the MCP clients started from here all read (docs/security.md)."""
+    os.environ.setdefault("TRAINDX_TOKEN", secrets.token_urlsafe(32))
     proc = subprocess.Popen([sys.executable, "-m", "diag_server.cli", "serve", "--port", str(port), "--data", data_dir],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30

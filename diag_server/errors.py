@@ -6,12 +6,14 @@ from schemas.records import Error
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, detail: list[str] | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, detail: list[str] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.detail = detail or []
+        self.headers = headers or {}  # e.g. Retry-After on 503
 
     def body(self) -> Error:
         return Error(error=self.code, message=_printable(self.message), detail=[_printable(d) for d in self.detail])

@@ -7,7 +7,6 @@ registry of small functions, as datasette's output formats are).
 
 from __future__ import annotations
 
-import secrets
 from typing import Annotated, Callable, Literal
 
 import anyio
@@ -26,6 +25,8 @@ from . import compression, diagnosis, fixes, queries, views
 from .errors import ApiError
 from .ingest import MAX_BODY_BYTES, ingest, parse_batch
 from .origin import check_browser_request
+from .retention import delete_run
+from .security import authorized
 from .services import Services
 from .stream import run_updates
 
@@ -96,7 +97,7 @@ def error_response(request: Request, err: ApiError) -> Response:
     except ApiError:
         fmt = "json"  # the client accepts nothing we offer: the error itself still has to be readable
     media, render = RENDERERS[fmt]
-    return Response(render(err.body()), status_code=err.status, media_type=media)
+    return Response(render(err.body()), status_code=err.status, media_type=media, headers=err.headers)
 
 
 def actor(request: Request) -> str:
@@ -110,17 +111,24 @@ def actor(request: Request) -> str:
 
 
 ERRORS = {s: {"model": Error} for s in (400, 401, 403, 404, 406, 409, 413, 422, 500)}
+# Ingest also answers 503 (overloaded: back off for Retry-After seconds) and 507 (data directory full).
+INGEST_ERRORS = {s: {"model": Error} for s in (503, 507)}
 
 
 def build_router(services: Services) -> APIRouter:
     store = services.store
-    token = services.settings.token
+    settings = services.settings
+    token = settings.token
+    # One batch parsed at a time: validation holds the GIL, and more of it in parallel only starves the
+    # readers (get_anomalies under load) without storing any faster, since the writer is one thread.
+    parse_limiter = anyio.CapacityLimiter(1)
 
     def require_token(request: Request) -> None:
+        # The SecurityMiddleware checks first; this stays on every write route in case a route is ever
+        # served without it (an app built by hand, a test). Reads opened by open_reads never reach here.
         if token is None:
             return
-        got = request.headers.get("authorization", "")
-        if not secrets.compare_digest(got.encode(), f"Bearer {token}".encode()):
+        if not authorized(request.headers, token.encode()):
             raise ApiError(401, "unauthorized", "this route needs 'Authorization: Bearer <token>' (see TRAINDX_TOKEN)")
 
     def browser_guard(request: Request) -> None:
@@ -133,23 +141,38 @@ def build_router(services: Services) -> APIRouter:
     @r.get("/health", response_model=Health, tags=["server"])
     def health(request: Request) -> Response:
         from . import __version__
+        guard = services.size_guard
+        warnings = [w for w in (guard.warning(fresh=True),) if w]
+        if services.store_status != "ok":
+            warnings.insert(0, f"the store failed its integrity check at start: {services.store_status}")
         return respond(request, Health(version=__version__, schema_version=SCHEMA_VERSION,
-                                       data_dir=str(services.settings.data_dir)))
+                                       data_dir=str(settings.data_dir), store=services.store_status,
+                                       data_bytes=guard.used(), max_data_bytes=guard.max_bytes, warnings=warnings))
 
-    @r.post("/v1/ingest", response_model=IngestReply, dependencies=writer, tags=["ingest"],
+    @r.post("/v1/ingest", response_model=IngestReply, dependencies=writer, tags=["ingest"], responses=INGEST_ERRORS,
             summary="Store a probe's batch of events (idempotent by batch_id) and return pending fix commands")
     async def ingest_batch(request: Request) -> Response:
         negotiate(request)  # refuse an unanswerable Accept before anything is stored
+        # Back-pressure before reading the body: the probe keeps the batch in its spool and retries.
+        if services.pending_ingest >= settings.max_pending_ingest:
+            raise ApiError(503, "overloaded", f"{services.pending_ingest} batches are waiting to be stored; "
+                           "retry after the Retry-After delay", headers={"Retry-After": "1"})
+        services.size_guard.check_ingest()
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise ApiError(413, "body_too_large", f"the body is {declared} bytes; the limit is {MAX_BODY_BYTES}")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
-                raise ApiError(413, "body_too_large", f"the body exceeds the limit of {MAX_BODY_BYTES} bytes")
-        batch = parse_batch(bytes(body))
-        reply = await anyio.to_thread.run_sync(ingest, store, services.engine, batch)
+        services.pending_ingest += 1  # counted from here: awaiting the body lets other requests in
+        try:
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise ApiError(413, "body_too_large", f"the body exceeds the limit of {MAX_BODY_BYTES} bytes")
+            # Parsing and validating a large batch is CPU work: off the event loop, so queries stay quick.
+            batch = await anyio.to_thread.run_sync(parse_batch, bytes(body), limiter=parse_limiter)
+            reply = await anyio.to_thread.run_sync(ingest, store, services.engine, batch)
+        finally:
+            services.pending_ingest -= 1
         return respond(request, reply)
 
     @r.get("/v1/runs", response_model=RunPage, tags=["runs"], summary="List runs, most recently active first")
@@ -160,6 +183,12 @@ def build_router(services: Services) -> APIRouter:
     @r.get("/v1/runs/{run}", response_model=RunSummary, tags=["runs"])
     def run_summary(request: Request, run: str) -> Response:
         return respond(request, queries.run_summary(store, run))
+
+    @r.delete("/v1/runs/{run}", status_code=204, dependencies=writer, tags=["runs"],
+              summary="Delete a run and everything stored about it (export it first: traindx export)")
+    def delete(request: Request, run: str, force: bool = False) -> Response:
+        delete_run(store, run, force=force, engine=services.engine)
+        return Response(status_code=204)
 
     @r.get("/v1/runs/{run}/anomalies", response_model=AnomalyPage, tags=["anomalies"])
     def anomalies(request: Request, run: str, kind: AnomalyKind | None = None, severity: Severity | None = None,

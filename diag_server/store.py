@@ -80,6 +80,9 @@ ADDED_COLUMNS = [("scalars", "rank", "INTEGER DEFAULT 0"), ("stats", "rank", "IN
 def _connect(path: str) -> sqlite3.Connection:
     conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
     conn.row_factory = sqlite3.Row
+    # Only takes effect on a new file, so before WAL writes its header: deleted runs then give their
+    # pages back to the disk (retention.delete_run).
+    conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")  # durable at each WAL checkpoint; a crash loses no committed batch
     conn.execute("PRAGMA busy_timeout=30000")
@@ -103,7 +106,12 @@ class Store:
         self._thread.start()
 
     def integrity(self) -> str:
-        return self.read().execute("PRAGMA quick_check").fetchone()[0]
+        """'ok', or SQLite's description of what is damaged (PRAGMA quick_check)."""
+        try:
+            rows = self.read().execute("PRAGMA quick_check(20)").fetchall()
+        except sqlite3.DatabaseError as e:
+            return f"unreadable: {e}"
+        return "; ".join(r[0] for r in rows)
 
     # -- writes --------------------------------------------------------------------------------------
     def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:

@@ -19,7 +19,8 @@ MAX_ROWS_PER_EVENT = 20000
 
 RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN, description="Run id: letters, digits, '.', '_', ':', '-'; at most 128.")]
 TensorName = Annotated[str, Field(pattern=NAME_PATTERN, description="A parameter, module or scalar name.")]
-Step = Annotated[int, Field(ge=0, le=2**53, description="Training step, counted by the probe from 0.")]
+# Strict: a step is an integer on the wire, never true/false, "12" or 12.0 coerced into one.
+Step = Annotated[int, Field(ge=0, le=2**53, strict=True, description="Training step, counted by the probe from 0.")]
 Number = Annotated[float | None, Field(description="A finite number, or null when the value was NaN or infinite.")]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Time = Annotated[float, Field(allow_inf_nan=False, ge=0, description="Unix time in seconds.")]

@@ -237,6 +237,10 @@ class Health(_Record):
     version: str
     schema_version: str
     data_dir: str
+    store: str = Field("ok", description="SQLite 'PRAGMA quick_check' of the store at start: 'ok', or what is wrong.")
+    data_bytes: int | None = Field(None, description="Size of the data directory now.")
+    max_data_bytes: int | None = Field(None, description="The data directory's size cap (null: none).")
+    warnings: list[str] = Field(default_factory=list, description="What needs a person's attention (store, disk).")
 
 
 class Error(_Record):

@@ -1,8 +1,14 @@
-"""Shared fixtures: a real `traindx serve` process on a free port with its own data directory."""
+"""Shared fixtures: a real `traindx serve` process on a free port with its own data directory.
+
+Every route but /health needs the server's token (docs/security.md). The test session sets one
+TRAINDX_TOKEN in its environment, which the servers it starts, the probes (HttpSink) and MCP clients
+read; raw HTTP calls pass ``headers=server.headers`` (or use ``server.client()``).
+"""
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -15,6 +21,8 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+TOKEN = os.environ.setdefault("TRAINDX_TOKEN", "test-" + secrets.token_urlsafe(24))
+AUTH = {"authorization": f"Bearer {TOKEN}"}  # for raw HTTP calls to the servers the tests start
 
 
 def free_port() -> int:
@@ -30,11 +38,25 @@ class ServerProcess:
     data_dir: Path
     proc: subprocess.Popen | None = None
     extra_args: tuple[str, ...] = ()
-    env: dict | None = None
+    env: dict | None = None  # a value of None removes the variable (e.g. TRAINDX_TOKEN: None)
 
-    def start(self, timeout: float = 30.0) -> None:
+    @property
+    def token(self) -> str:
+        """The token this server requires: the one it was given, else the one it wrote in its data dir."""
+        env = {**os.environ, **(self.env or {})}
+        return env.get("TRAINDX_TOKEN") or (self.data_dir / "token").read_text().strip()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.token}"}
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, **kwargs)
+
+    def start(self, timeout: float = 120.0) -> None:  # generous: the CI machine may be loaded
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                **(self.env or {})}
+        env = {k: v for k, v in env.items() if v is not None}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "diag_server.cli", "serve", "--port", str(self.port), "--data", str(self.data_dir),
              *self.extra_args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -6,6 +6,8 @@ import time
 from typing import Iterator
 
 import httpx
+
+from tests.conftest import AUTH
 import pytest
 
 
@@ -26,7 +28,8 @@ class Agent:
     """Does what an agent would over the HTTP API: wait for an anomaly, propose a fix, apply the best one."""
 
     def __init__(self, url: str, run: str) -> None:
-        self.client = httpx.Client(base_url=url, timeout=10, headers={"x-traindx-actor": "test-agent"})
+        self.client = httpx.Client(base_url=url, timeout=10, headers={"x-traindx-actor": "test-agent",
+                                                                                  **AUTH})
         self.run = run
         self.anomaly: dict | None = None
         self.fix: dict | None = None

@@ -9,7 +9,7 @@ import httpx
 import jsonschema
 import torch
 from lxml import etree
-from mcp import Client
+from agent_examples.scripted_agent import connect
 
 import probes
 from diag_server.xml import xsd_schema
@@ -20,7 +20,7 @@ from tests.test_compression_probe import data, tiny  # noqa: E402
 
 
 async def _mcp_recipe(url: str):
-    async with Client(url) as client:
+    async with connect(url) as client:  # with the server's token (TRAINDX_TOKEN), as agents send it
         return await client.call_tool("compression_recipe", {"run": "cx-1", "target_sparsity": 0.6})
 
 
@@ -53,7 +53,7 @@ def test_recipe_sensitivity_and_live_prune_through_the_http_api(server, tmp_path
         probe.step(loss=loss)
     find(probe).send_profiles(probe.step_count)
     assert probe.flush()
-    api = httpx.Client(base_url=server.url, timeout=30)
+    api = httpx.Client(base_url=server.url, timeout=30, headers=server.headers)
 
     r = api.get("/v1/runs/cx-1/compression", params={"target_sparsity": 0.6})
     assert r.status_code == 200, r.text

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from tests.conftest import AUTH
 import torch
 from torch import nn
 
@@ -42,7 +44,7 @@ class LossAbove(Rule):
 
 
 def _anomalies(url: str, run: str) -> list[dict]:
-    return httpx.get(f"{url}/v1/runs/{run}/anomalies", params={"limit": 500}).json()["anomalies"]
+    return httpx.get(f"{url}/v1/runs/{run}/anomalies", params={"limit": 500}, headers=AUTH).json()["anomalies"]
 
 
 def test_nan_batch_through_a_real_server(tmp_path):
@@ -89,7 +91,7 @@ def test_nan_batch_through_a_real_server(tmp_path):
         kinds = {(a["rule"], a["kind"]) for a in _anomalies(srv.url, "e2e-nan")}
         assert ("loss_above", "loss_divergence") in kinds  # the user's rule, with the user's ceiling
 
-        diag = httpx.get(f"{srv.url}/v1/runs/e2e-nan/diagnosis").json()
+        diag = httpx.get(f"{srv.url}/v1/runs/e2e-nan/diagnosis", headers=AUTH).json()
         assert diag["causes"][0]["kind"] == "nonfinite", diag["report"]
         assert any("step 40" in c and "'<input>'" in c for c in diag["context"]), diag["context"]
         assert "Diagnosis of run e2e-nan" in report and "nonfinite" in report

@@ -58,7 +58,7 @@ def test_mcp_over_streamable_http_finds_and_fixes_the_fault(server):
     assert result.error is None
     assert result.median(950, 1000) < 2 * result.median(250, 300)
     # The audit trail names who asked and what the job did.
-    trail = httpx.get(f"{server.url}/v1/runs/e2e-http/audit").json()["entries"]
+    trail = httpx.get(f"{server.url}/v1/runs/e2e-http/audit", headers=server.headers).json()["entries"]
     actions = [(e["actor"], e["action"]) for e in trail]
     assert ("mcp:e2e-test-agent", "apply_requested") in actions and ("job", "applied") in actions
 
@@ -82,7 +82,7 @@ def test_a_read_only_job_rejects_fixes(server):
             return await triage(client, "e2e-readonly", timeout=60, verdict_timeout=30, say=lambda m: None)
     out = asyncio.run(go())
     job.join(120)
-    fixes = httpx.get(f"{server.url}/v1/runs/e2e-readonly/fixes").json()["fixes"]
+    fixes = httpx.get(f"{server.url}/v1/runs/e2e-readonly/fixes", headers=server.headers).json()["fixes"]
     tried = [f for f in fixes if f["status"] == "rejected"]
     assert tried and "does not allow" in tried[0]["reason"]
     assert out.fix is None

@@ -6,6 +6,8 @@ import math
 import time
 
 import httpx
+
+from tests.conftest import AUTH
 import pytest
 import torch
 
@@ -376,34 +378,34 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
     train(model, probe, 81, ids=ids, zombies={3, 17, 29}, opt=opt)
     assert probe.flush()
     base = f"{server.url}/v1/runs/emb-e2e"
-    page = httpx.get(f"{base}/anomalies").json()
+    page = httpx.get(f"{base}/anomalies", headers=AUTH).json()
     by_kind = {a["kind"]: a for a in page["anomalies"]}
     assert sorted(int(r) for r in by_kind["dead_embedding"]["evidence"]["rows"]) == [5, 33]
     zombie = by_kind["zombie_embedding"]
     assert sorted(int(r) for r in zombie["evidence"]["rows"]) == [3, 17, 29]
     assert zombie["tensors"] == ["table.weight"]
-    fixes = httpx.post(f"{base}/anomalies/{zombie['id']}/propose").json()["fixes"]
+    fixes = httpx.post(f"{base}/anomalies/{zombie['id']}/propose", headers=AUTH).json()["fixes"]
     assert [f["action"] for f in fixes] == ["embedding_grad_scale"] * 2
     assert fixes[0]["params"]["table"] == "table.weight" and "rows" not in fixes[0]["params"]  # the whole table
     assert sorted(fixes[1]["params"]["rows"]) == [3, 17, 29]  # only the named rows
     fix_id = fixes[1]["id"]
-    assert httpx.post(f"{base}/fixes/{fix_id}/apply").json()["status"] == "pending"
+    assert httpx.post(f"{base}/fixes/{fix_id}/apply", headers=AUTH).json()["status"] == "pending"
     status = None
     for step in range(200):
         train(model, probe, 1, ids=ids, zombies={3, 17, 29}, opt=opt, seed=1000 + step)
         probe.flush()
-        status = httpx.get(f"{base}/fixes/{fix_id}").json()
+        status = httpx.get(f"{base}/fixes/{fix_id}", headers=AUTH).json()
         if status["status"] not in ("pending",):
             break
         time.sleep(0.05)
     assert status["status"] == "applied", status
     # Named rows whose SNR is below the reference are damped (a named row with more signal keeps factor 1).
     assert 1 <= status["after"]["rows"] <= 3 and set(status["after"]["row_ids"]) <= {"3", "17", "29"}
-    assert httpx.post(f"{base}/fixes/{fix_id}/revert").status_code == 200
+    assert httpx.post(f"{base}/fixes/{fix_id}/revert", headers=AUTH).status_code == 200
     for step in range(200):
         train(model, probe, 1, ids=ids, zombies={3, 17, 29}, opt=opt, seed=2000 + step)
         probe.flush()
-        status = httpx.get(f"{base}/fixes/{fix_id}").json()
+        status = httpx.get(f"{base}/fixes/{fix_id}", headers=AUTH).json()
         if status["status"] == "reverted":
             break
         time.sleep(0.05)

@@ -43,37 +43,38 @@ BAD = [
 
 @pytest.mark.parametrize("body,status,code", BAD)
 def test_malformed_ingest_is_refused_whole(server, body, status, code):
-    r = httpx.post(f"{server.url}/v1/ingest", content=body, headers={"content-type": "application/json"})
+    r = httpx.post(f"{server.url}/v1/ingest", content=body,
+                   headers={**server.headers, "content-type": "application/json"})
     assert r.status_code == status
     err = r.json()
     assert err["error"] == code and err["message"]
     if status == 422:
         assert err["detail"], "a schema error says where the problem is"
-    runs = [r["run"] for r in httpx.get(f"{server.url}/v1/runs").json()["runs"]]
+    runs = [r["run"] for r in httpx.get(f"{server.url}/v1/runs", headers=server.headers).json()["runs"]]
     assert "refused" not in runs and "r" not in runs  # nothing stored
-    assert httpx.get(f"{server.url}/health").status_code == 200  # still serving
+    assert httpx.get(f"{server.url}/health", headers=server.headers).status_code == 200  # still serving
 
 
 def test_oversized_body_is_refused(server):
     big = b'{"batch_id":"abcdefgh","run":"r","seq":0,"events":[],"pad":"' + b"x" * (33 << 20) + b'"}'
-    r = httpx.post(f"{server.url}/v1/ingest", content=big, timeout=60)
+    r = httpx.post(f"{server.url}/v1/ingest", content=big, timeout=60, headers=server.headers)
     assert r.status_code == 413 and r.json()["error"] == "body_too_large"
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/health", headers=server.headers).status_code == 200
 
 
 def test_a_batch_sent_twice_is_stored_once(server):
     b = _batch(run="dup")
-    first = httpx.post(f"{server.url}/v1/ingest", json=b).json()
-    second = httpx.post(f"{server.url}/v1/ingest", json=b).json()
+    first = httpx.post(f"{server.url}/v1/ingest", json=b, headers=server.headers).json()
+    second = httpx.post(f"{server.url}/v1/ingest", json=b, headers=server.headers).json()
     assert first["accepted"] == 1 and not first["duplicate"]
     assert second["accepted"] == 0 and second["duplicate"]
-    points = httpx.get(f"{server.url}/v1/runs/dup/series/loss").json()["points"]
+    points = httpx.get(f"{server.url}/v1/runs/dup/series/loss", headers=server.headers).json()["points"]
     assert points == [{"step": 1, "value": 0.5}]
 
 
 def test_non_finite_values_travel_as_null(server):
     b = _batch(run="nan", events=[{"kind": "scalars", "step": 3, "time": 1.0, "values": {"loss": None}}])
-    assert httpx.post(f"{server.url}/v1/ingest", json=b).status_code == 200
-    page = httpx.get(f"{server.url}/v1/runs/nan/anomalies").json()
+    assert httpx.post(f"{server.url}/v1/ingest", json=b, headers=server.headers).status_code == 200
+    page = httpx.get(f"{server.url}/v1/runs/nan/anomalies", headers=server.headers).json()
     assert [a["kind"] for a in page["anomalies"]] == ["nonfinite"]
     assert page["anomalies"][0]["first_step"] == 3

@@ -49,7 +49,7 @@ def test_events_wait_in_the_spool_and_arrive_once(tmp_path):
         _train_in_process("offline", srv.url, spool, 20)
         for f in files:
             assert not f.exists()
-        steps = [p["step"] for p in httpx.get(f"{srv.url}/v1/runs/offline/series/loss",
+        steps = [p["step"] for p in httpx.get(f"{srv.url}/v1/runs/offline/series/loss", headers=srv.headers,
                                                  params={"max_points": 10000}).json()["points"]]
         # 200 steps from the first process and 20 from the second, each loss stored once.
         assert len(steps) == 220
@@ -81,7 +81,8 @@ def test_file_sink_then_traindx_import(tmp_path, monkeypatch):
     srv.data_dir = data
     srv.start()
     try:
-        pts = httpx.get(f"{srv.url}/v1/runs/filed/series/loss", params={"max_points": 1000}).json()["points"]
+        pts = httpx.get(f"{srv.url}/v1/runs/filed/series/loss", params={"max_points": 1000},
+                        headers=srv.headers).json()["points"]
         assert [p["step"] for p in pts] == list(range(30))
     finally:
         srv.stop()
