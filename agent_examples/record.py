@@ -46,6 +46,8 @@ SCENARIOS: dict[str, tuple[dict, Callable[[Any, str, Any], Awaitable[None]]]] = 
                  "kwargs": {"steps": 600, "fault_step": None, "pace": 0.004}}, _healthy),
     "exploding_fixed": ({"name": "lr_spike_job", "run": "session-lr-spike",
                          "kwargs": {"steps": 800, "fault_step": 300, "pace": 0.004}}, _triage),
+    "nan_rolled_back": ({"name": "fault_job", "run": "session-nan-batch",
+                         "kwargs": {"fault": "nan_batch", "steps": 600, "pace": 0.004}}, _triage),
     "agent_errors": ({"name": "lr_spike_job", "run": "session-errors",
                       "kwargs": {"steps": 300, "fault_step": None, "pace": 0.004}}, _errors),
 }

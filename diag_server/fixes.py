@@ -69,8 +69,9 @@ def _lr_fix(conn: sqlite3.Connection, a: Anomaly, severity_ratio: float | None) 
     factor = 0.1 if severity_ratio is None else min(max(1.0 / severity_ratio ** 0.5, 0.01), 0.5)
     factor = float(f"{factor:.2g}")
     return Candidate(FixAction.lr_scale, {"factor": factor},
-                     f"Scale the learning rate by {factor} (1/sqrt of the {severity_ratio or 'observed'}x growth, "
-                     "bounded to [0.01, 0.5]) so updates shrink back to the size the run tolerated.",
+                     (f"Scale the learning rate by {factor} (1/sqrt of the {severity_ratio:.3g}x growth, bounded to "
+                      "[0.01, 0.5])" if severity_ratio else f"Scale the learning rate by {factor}")
+                     + " so updates shrink back to the size the run tolerated.",
                      "Smaller steps; the loss should stop rising within a few sampling intervals.", "medium")
 
 
