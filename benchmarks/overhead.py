@@ -62,11 +62,12 @@ def time_steps(model, loss_fn, opt, probe, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def measure(name: str, *, server: str | None, repeats: int, steps: int, every_step: bool) -> tuple[float, float]:
+def measure(name: str, *, server: str | None, repeats: int, steps: int, every_step: bool,
+            interval: int | None = None) -> tuple[float, float]:
     torch.manual_seed(0)
     model, loss_fn = MODELS[name]()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    kwargs = {"interval": 1} if every_step else {}
+    kwargs = {"interval": 1} if every_step else ({"interval": interval} if interval else {})
     time_steps(model, loss_fn, opt, None, 50)  # warm-up
     off, on = [], []
     for _ in range(repeats):
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=300, help="steps per arm and repeat")
     ap.add_argument("--every-step", action="store_true", help="every collection on, sampled every step")
+    ap.add_argument("--interval", type=int, default=None, help="sampling interval (default: the probe's default)")
     ap.add_argument("--sink", choices=["http", "memory"], default="http")
     ap.add_argument("--rss", action="store_true", help="measure peak RSS instead (MLP, memory sink)")
     args = ap.parse_args()
@@ -122,11 +124,13 @@ def main() -> None:
         server = f"http://127.0.0.1:{port}"
         os.environ["TRAINDX_SPOOL"] = tempfile.mkdtemp(prefix="traindx-spool-")
     try:
-        config = "every collection, every step" if args.every_step else f"default (interval {probes.DEFAULT_INTERVAL})"
+        config = ("every collection, every step" if args.every_step else
+                  f"interval {args.interval}" if args.interval else f"default (interval {probes.DEFAULT_INTERVAL})")
         target = 1.5 if args.every_step else 1.02
         print(f"probe overhead, {config}, sink={args.sink}, {args.repeats} alternating repeats x {args.steps} steps")
         for name in (MODELS if args.model == "all" else [args.model]):
-            off, on = measure(name, server=server, repeats=args.repeats, steps=args.steps, every_step=args.every_step)
+            off, on = measure(name, server=server, repeats=args.repeats, steps=args.steps, every_step=args.every_step,
+                              interval=args.interval)
             print(f"  {name:12s} no probe {off * 1e3:7.3f} ms/step   probe {on * 1e3:7.3f} ms/step   "
                   f"ratio {on / off:.3f}  (target <= {target})")
     finally:

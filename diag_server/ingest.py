@@ -20,7 +20,7 @@ from .rules import Observations
 from .store import STAT_COLUMNS, Store
 
 MAX_BODY_BYTES = 32 << 20  # a full batch of the largest events fits well inside this
-DEFAULT_INTERVAL = 50
+DEFAULT_INTERVAL = 100  # the probe's default (probes.DEFAULT_INTERVAL), for runs that sent no run_start
 
 
 
