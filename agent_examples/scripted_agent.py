@@ -150,13 +150,15 @@ async def _wait_status(client: Client, run: str, fix_id: str, until: set[str], t
     return status
 
 
-def connect(server: str | None = None, *, stdio_data: str | None = None, name: str = "traindx-scripted-agent") -> Client:
-    """An MCP client over Streamable HTTP (a URL ending in /mcp) or over stdio (`traindx mcp`)."""
+def connect(server: str | None = None, *, stdio_data: str | None = None, name: str = "traindx-scripted-agent",
+            token: str | None = None) -> Client:
+    """An MCP client over Streamable HTTP (a URL ending in /mcp; the token defaults to $TRAINDX_TOKEN) or
+    over stdio (`traindx mcp`, which reads the data directory and needs no token)."""
     info = Implementation(name=name, version="1")
     if stdio_data is not None:
         params = StdioServerParameters(command=sys.executable, args=["-m", "diag_server.cli", "mcp", "--data", stdio_data])
         return Client(params, client_info=info)
-    token = os.environ.get("TRAINDX_TOKEN")
+    token = token or os.environ.get("TRAINDX_TOKEN")
     if token:  # the server needs its token on /mcp (docs/security.md); the client passes it as a header
         return Client(_with_token(server, token), client_info=info)
     return Client(server, client_info=info)

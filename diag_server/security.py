@@ -23,9 +23,7 @@ from pathlib import Path
 from typing import Iterable
 from urllib.parse import parse_qs, urlsplit
 
-import orjson
 
-from schemas.records import Error
 
 log = logging.getLogger("traindx.server")
 
@@ -190,8 +188,15 @@ async def _refuse(scope, send, status: int, code: str, message: str) -> None:  #
     if scope["type"] == "websocket":
         await send({"type": "websocket.close", "code": 1008})
         return
-    body = orjson.dumps(Error(error=code, message=message).model_dump())
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    # The one error shape, in the format the client asked for (as every route answers; see http.negotiate).
+    from starlette.requests import Request
+
+    from .errors import ApiError
+    from .http import error_response
+
+    response = error_response(Request(scope), ApiError(status, code, message))
+    body = response.body
+    headers = [(b"content-type", response.media_type.encode()), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b'Bearer realm="traindx"'))
     await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -124,7 +124,8 @@ def people_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     token, unlike session_server, so that the tests also prove that the CLI, client and page send it.)"""
     from scripts.live_run import LiveRun
 
-    srv = make_server(tmp_path_factory.mktemp("people"), "--token", PEOPLE_TOKEN)
+    # Reads open (--open-reads), writes need the token: the tests prove the CLI, client and page send it.
+    srv = make_server(tmp_path_factory.mktemp("people"), "--token", PEOPLE_TOKEN, "--open-reads")
     srv.start()
     job = LiveRun(srv.url, PEOPLE_RUN, interval=1, step_sleep=0.001, token=PEOPLE_TOKEN).start()
     job.wait_steps(120)

@@ -43,8 +43,10 @@ def test_api_answers_as_its_openapi_says(people_server: ServerProcess) -> None:
         @given(case=op.as_strategy())
         @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def check(case) -> None:
-            if "run" in (case.path_parameters or {}) and hash(repr(case.query)) % 2 == 0:
-                case.path_parameters["run"] = RUN  # half the cases address the real run, so 200s are checked too
+            # Half the cases address the real run, so 200s are checked too; never a DELETE, which would remove
+            # the run the other tests of this server read (deleting is tested in test_retention.py).
+            if "run" in (case.path_parameters or {}) and hash(repr(case.query)) % 2 == 0 and case.method != "DELETE":
+                case.path_parameters["run"] = RUN
             skip = [positive_data_acceptance] if op.path in SCHEMA_VALID_BUT_REFUSED else []
             case.call_and_validate(base_url=live.url, excluded_checks=skip,
                                    headers={"authorization": f"Bearer {PEOPLE_TOKEN}"})

@@ -145,8 +145,10 @@ def test_live_run_page_charts_anomalies_filters_and_a_fix_from_the_page(live, br
 def test_pages_refuse_a_foreign_origin(live) -> None:
     srv, _ = live
     res = httpx.get(srv.url + "/", headers={"host": "attacker.example"})
-    assert res.status_code == 403 and res.json()["error"] == "forbidden_host"
+    # The security middleware answers before any route (docs/security.md): 421 for a foreign Host...
+    assert res.status_code == 421 and res.json()["error"] == "invalid_host"
     res = httpx.post(f"{srv.url}/v1/runs/{RUN}/fixes/f-1/apply", headers={"origin": "http://attacker.example"})
-    assert res.status_code == 403 and res.json()["error"] == "forbidden_origin"
+    # ...and 403 for a foreign Origin.
+    assert res.status_code == 403 and res.json()["error"] == "invalid_origin"
     assert httpx.get(srv.url + "/static/app.js").headers["content-type"].startswith("text/javascript")
     assert httpx.get(srv.url + "/static/../http.py").status_code == 404

@@ -69,9 +69,9 @@ TRACE_EVENT_FORMAT = {
 
 async def _mcp_capture(url: str, run: str, launcher: subprocess.Popen) -> dict:
     """An agent, connected before the job starts, asks for a capture as soon as the run is live."""
-    from mcp.client.client import Client
+    from agent_examples.scripted_agent import connect
 
-    async with Client(f"{url}/mcp") as client:
+    async with connect(f"{url}/mcp") as client:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and launcher.poll() is None:
             runs = (await client.call_tool("list_runs", {})).structured_content["runs"]
@@ -206,10 +206,10 @@ def test_an_agent_reads_the_ranks_phases_over_mcp_and_people_get_xml(jobs: Serve
     from lxml import etree
 
     from diag_server.xml import xsd_schema
-    from mcp.client.client import Client
+    from agent_examples.scripted_agent import connect
 
     async def read() -> dict:
-        async with Client(f"{jobs.url}/mcp") as client:
+        async with connect(f"{jobs.url}/mcp") as client:
             result = await client.call_tool("get_timeline", {"run": "torchrun-strag2", "limit": 50})
             assert not result.is_error, result
             return result.structured_content
