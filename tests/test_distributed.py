@@ -26,7 +26,7 @@ from click.testing import CliRunner
 import probes
 from diag_server.cli import main as cli_main
 
-from .conftest import ROOT, ServerProcess, make_server
+from .conftest import AUTH, ROOT, ServerProcess, make_server
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ def jobs(srv: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def _get(srv: ServerProcess, path: str, **params) -> dict:
-    r = httpx.get(f"{srv.url}{path}", params=params, timeout=30)
+    r = httpx.get(f"{srv.url}{path}", headers=AUTH, params=params, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -164,7 +164,7 @@ def test_a_slow_data_loader_on_one_rank_is_named(jobs: ServerProcess) -> None:
 def test_straggler_fixes_are_advice_with_exact_instructions(jobs: ServerProcess) -> None:
     run = "torchrun-data4"
     a = next(a for a in _anomalies(jobs, run) if a["kind"] == "straggler_rank")
-    r = httpx.post(f"{jobs.url}/v1/runs/{run}/anomalies/{a['id']}/propose", timeout=30)
+    r = httpx.post(f"{jobs.url}/v1/runs/{run}/anomalies/{a['id']}/propose", headers=AUTH, timeout=30)
     assert r.status_code == 200, r.text
     fixes = r.json()["fixes"]
     advice = fixes[0]
@@ -172,7 +172,7 @@ def test_straggler_fixes_are_advice_with_exact_instructions(jobs: ServerProcess)
     assert "rank 2" in advice["params"]["instructions"] and "num_workers=" in advice["params"]["instructions"]
     closer = [f for f in fixes if f["action"] == "set_probe"]
     assert closer == [] or "does not fix" in closer[0]["rationale"]  # interval 2 is already close: none offered
-    r = httpx.post(f"{jobs.url}/v1/runs/{run}/fixes/{advice['id']}/apply", timeout=30)
+    r = httpx.post(f"{jobs.url}/v1/runs/{run}/fixes/{advice['id']}/apply", headers=AUTH, timeout=30)
     assert r.status_code == 409 and r.json()["error"] == "not_live"  # never pretends to apply advice
 
 
@@ -218,7 +218,7 @@ def test_an_agent_reads_the_ranks_phases_over_mcp_and_people_get_xml(jobs: Serve
     assert len(tl["spans"]) == 50 and tl["truncated"]
     slow = max(tl["ranks"], key=lambda r: r["phases"]["forward"])
     assert slow["rank"] == 1 and slow["host"] and slow["world_size"] == 2
-    r = httpx.get(f"{jobs.url}/v1/runs/torchrun-strag2/timeline", params={"format": "xml", "limit": 20})
+    r = httpx.get(f"{jobs.url}/v1/runs/torchrun-strag2/timeline", headers=AUTH, params={"format": "xml", "limit": 20})
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/xml")
     xsd_schema().assertValid(etree.fromstring(r.content))
 
@@ -233,7 +233,7 @@ def test_capture_over_mcp_records_operators_and_shapes_on_every_rank(jobs: Serve
         assert any(op["name"] == "aten::addmm" for op in r["ops"])
         assert {"module": "module.1", "type": "Linear", "inputs": [[16, 32]], "outputs": [[16, 64]]} in r["shapes"]
         assert r["trace_available"]
-    trace = httpx.get(f"{jobs.url}/v1/runs/torchrun-cap2/captures/{capture['id']}/trace", params={"rank": 1}).json()
+    trace = httpx.get(f"{jobs.url}/v1/runs/torchrun-cap2/captures/{capture['id']}/trace", headers=AUTH, params={"rank": 1}).json()
     assert any(e.get("name") == "aten::addmm" for e in trace["traceEvents"])
     # During the capture every step was recorded; before and after it, every 10th. Each rank starts at
     # its next step boundary after it hears of the capture.
@@ -284,7 +284,7 @@ def test_capture_over_http_in_a_single_process_run(srv: ServerProcess) -> None:
     with probes.attach(model, opt, server=server.url, run="cap-1", interval=50, flush_interval=0.05) as probe:
         _train(model, opt, probe, 3)
         probe.flush()
-        r = httpx.post(f"{server.url}/v1/runs/cap-1/captures", params={"steps": 2, "profile": "false"})
+        r = httpx.post(f"{server.url}/v1/runs/cap-1/captures", headers=AUTH, params={"steps": 2, "profile": "false"})
         assert r.status_code == 201, r.text
         cid = r.json()["id"]
         deadline = time.monotonic() + 30
@@ -296,9 +296,9 @@ def test_capture_over_http_in_a_single_process_run(srv: ServerProcess) -> None:
     cap = _get(server, f"/v1/runs/cap-1/captures/{cid}")
     assert cap["status"] == "done" and cap["ranks"][0]["profiled"] is False and cap["ranks"][0]["ops"] == []
     assert [s["module"] for s in cap["ranks"][0]["shapes"]] == ["0", "1", "2"]
-    r = httpx.get(f"{server.url}/v1/runs/cap-1/captures/{cid}/trace")
+    r = httpx.get(f"{server.url}/v1/runs/cap-1/captures/{cid}/trace", headers=AUTH)
     assert r.status_code == 404 and "profiling was off" in r.json()["message"]
-    bad = httpx.post(f"{server.url}/v1/runs/cap-1/captures", params={"steps": 0})
+    bad = httpx.post(f"{server.url}/v1/runs/cap-1/captures", headers=AUTH, params={"steps": 0})
     assert bad.status_code == 422
-    ended = httpx.post(f"{server.url}/v1/runs/cap-1/captures", params={"steps": 2})
+    ended = httpx.post(f"{server.url}/v1/runs/cap-1/captures", headers=AUTH, params={"steps": 2})
     assert ended.status_code == 409 and ended.json()["error"] == "job_unavailable"

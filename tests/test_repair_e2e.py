@@ -45,10 +45,10 @@ def test_a_nan_batch_is_rolled_back_live_and_the_run_recovers(server):
     healthy = fault_job("nan_batch", run="healthy", steps=500, pace=0, healthy=True, attach=False)
     assert result.final_loss <= 1.1 * healthy.final_loss
     # Who asked, what the job did, what the server judged: all in the audit trail.
-    trail = [(e["actor"], e["action"], e["fix_id"]) for e in httpx.get(f"{server.url}/v1/runs/{run}/audit").json()["entries"]]
+    trail = [(e["actor"], e["action"], e["fix_id"]) for e in httpx.get(f"{server.url}/v1/runs/{run}/audit", headers=server.headers).json()["entries"]]
     assert ("mcp:repair-agent", "proposed", fix["id"]) in trail
     assert ("mcp:repair-agent", "apply_requested", fix["id"]) in trail
     assert ("job", "applied", fix["id"]) in trail and ("server", "verdict", fix["id"]) in trail
     # A rollback cannot be undone: the server says so instead of sending a command that would fail.
-    r = httpx.post(f"{server.url}/v1/runs/{run}/fixes/{fix['id']}/revert")
+    r = httpx.post(f"{server.url}/v1/runs/{run}/fixes/{fix['id']}/revert", headers=server.headers)
     assert r.status_code == 409 and r.json()["error"] == "irreversible"
