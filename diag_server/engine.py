@@ -30,6 +30,10 @@ class EngineSettings:
     verify_min_steps: int = 200
     # A fix after which the loss median is this much higher than before is flagged for revert.
     worse_margin: float = 0.10
+    # A fix after which the loss is below this fraction of what it was before counts as effective even if
+    # its anomaly still holds (the demo's learning-rate fix takes the loss from ~5 to ~0.06 while the dead
+    # ReLU units the spike left behind stay dead: measurement here).
+    recovered_ratio: float = 0.5
     rule_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     disabled: set[str] = field(default_factory=set)
     extra_rules: list[type[Rule]] = field(default_factory=list)
@@ -206,6 +210,12 @@ class Engine:
                 self._verdict(conn, obs.run, r["id"], FixStatus.effective,
                               f"the anomaly cleared within {obs.last_step - applied} steps of the fix" + worse_text,
                               now, detail)
+            elif full and before is not None and after is not None and after < self.settings.recovered_ratio * before:
+                # The run recovered (the loss fell by more than half) though this anomaly still holds: the
+                # fix did its job; what remains (dead units a spike left behind, say) needs its own fix.
+                self._verdict(conn, obs.run, r["id"], FixStatus.effective,
+                              f"the loss fell from {before:.4g} to {after:.4g} within {obs.last_step - applied} "
+                              "steps of the fix; the anomaly itself still holds and needs its own fix", now, detail)
             else:
                 self._verdict(conn, obs.run, r["id"], FixStatus.ineffective,
                               f"the anomaly still held {obs.last_step - applied} steps after the fix" + worse_text,
