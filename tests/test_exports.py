@@ -47,7 +47,7 @@ def test_prometheus_metrics_parse_with_the_official_parser(faulty):
     from prometheus_client.parser import text_string_to_metric_families
 
     srv, run = faulty
-    r = httpx.get(f"{srv.url}/metrics")
+    r = httpx.get(f"{srv.url}/metrics", headers=srv.headers)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     families = list(text_string_to_metric_families(r.text))
     [step] = _samples(families, "traindx_run_step", run)
@@ -66,7 +66,7 @@ def test_prometheus_metrics_parse_with_the_official_parser(faulty):
     # A scraper that asks for OpenMetrics gets it, and its parser reads it.
     from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 
-    r = httpx.get(f"{srv.url}/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"})
+    r = httpx.get(f"{srv.url}/metrics", headers={**srv.headers, "accept": "application/openmetrics-text; version=1.0.0"})
     assert r.headers["content-type"].startswith("application/openmetrics-text")
     om = list(om_parse(r.text))
     assert [s.value for s in _samples(om, "traindx_run_open_anomalies", run)] == [1]
