@@ -24,7 +24,7 @@ def test_recorded_session_replays(server, path):
 
     async def go():
         async with connect(f"{server.url}/mcp", name="replay-test") as client:
-            return await replay(client, calls, timeout=90)
+            return await replay(client, calls, timeout=45)
 
     report = asyncio.run(go())
     job.join(120)
