@@ -14,11 +14,20 @@ Replaying compares each response with the recorded one after masking what legiti
 one run to the next (the masking rule, also in the README):
 
 - identifiers such as ``a-3`` and ``f-7`` become ``<id>``; the replayer learns the mapping from the
-  recorded id to the replayed one and rewrites later requests with it;
+  recorded id to the replayed one and rewrites later requests with it; a list of ids (the consequences
+  of a cause) becomes ``<ids>``;
 - numbers become ``<number>`` (steps, losses, norms and timestamps depend on timing and hardware);
-- free text (``message``, ``rationale``, ``reason``, ``summary``, ``report``, ...) becomes ``<text>``;
-- everything else must match: keys, types, list lengths, and the meaning-bearing strings (kinds,
-  severities, statuses, actions, error codes, tensor names).
+- free text (``message``, ``rationale``, ``reason``, ``summary``, ``report``, ``context``, ``history``, ...)
+  becomes ``<text>``, and so does a ``severity``: it escalates while a live fault goes on, so it depends
+  on the moment of the call; for the same reason an anomaly's ``evidence`` keeps its keys but not its
+  values, and the list of ``tensors`` it has reached becomes ``<tensors>``;
+- a list of records (items with an ``id`` or an ``anomaly_id``: anomalies, fixes, causes) is matched
+  item by item whatever the order: every recorded item must have a replayed item equal to it after
+  masking. A live fault raises follow-on anomalies at moments that depend on timing, so the replay may
+  hold more items than the recording, but only where the recording held some: a recorded empty list
+  (a healthy run) must stay empty;
+- everything else must match: keys, types, the lengths of other lists, and the meaning-bearing strings
+  (kinds, statuses, actions, error codes, tensor names).
 
 Every tool of the server is idempotent, so a request whose masked response does not match yet (the
 run has not reached that point) is sent again until it matches or its time runs out; then the
@@ -39,9 +48,11 @@ import orjson
 FORMAT = "traindx-session/1"
 ID = re.compile(r"^[af]-\d+$")
 TEXT_KEYS = {"message", "rationale", "reason", "summary", "report", "explanation", "expected_effect", "text",
-             "instructions", "notes"}
+             "instructions", "notes", "context", "history", "severity"}
 # Values that are neither numbers nor ids and still change between runs of the same seed.
 VOLATILE_KEYS = {"data_dir", "host", "version", "requested_by", "actor"}
+# What a live anomaly has seen so far: it grows while the fault goes on.
+EVOLVING_KEYS = {"evidence", "tensors"}
 
 
 class SessionError(Exception):
@@ -54,9 +65,13 @@ def mask(value: Any, key: str | None = None) -> Any:
         return "<text>"
     if key in VOLATILE_KEYS:
         return "<volatile>"
+    if key in EVOLVING_KEYS and value is not None:
+        return {k: "<value>" for k in value} if isinstance(value, dict) else f"<{key}>"
     if isinstance(value, dict):
         return {k: mask(v, k) for k, v in value.items()}
     if isinstance(value, list):
+        if value and all(isinstance(v, str) and ID.match(v) for v in value):
+            return "<ids>"
         return [mask(v, key) for v in value]
     if isinstance(value, bool) or value is None:
         return value
@@ -67,8 +82,22 @@ def mask(value: Any, key: str | None = None) -> Any:
     return value
 
 
-def diff(recorded: Any, replayed: Any, path: str = "$") -> list[str]:
-    """Differences between two masked values, each with its JSON path."""
+def _is_record(value: Any) -> bool:
+    return isinstance(value, dict) and ("id" in value or "anomaly_id" in value)
+
+
+def _label(item: dict) -> str:
+    return next((f"{k}={item[k]!r}" for k in ("kind", "action", "tensor") if isinstance(item.get(k), str)), "")
+
+
+def _compare(recorded: Any, replayed: Any, path: str, pairs: list[tuple[Any, Any]] | None = None,
+             raw: tuple[Any, Any] = (None, None)) -> list[str]:
+    """Differences between two masked values.
+
+    ``raw`` holds the same two values unmasked (masking keeps keys and list positions); ``pairs`` collects
+    the raw (recorded, replayed) records that were matched, which is where the replay learns its ids.
+    """
+    pairs = [] if pairs is None else pairs
     if type(recorded) is not type(replayed):
         return [f"{path}: {type(recorded).__name__} {recorded!r:.60} != {type(replayed).__name__} {replayed!r:.60}"]
     if isinstance(recorded, dict):
@@ -76,22 +105,65 @@ def diff(recorded: Any, replayed: Any, path: str = "$") -> list[str]:
         out += [f"{path}.{k}: not in the recording" for k in replayed if k not in recorded]
         for k in recorded:
             if k in replayed:
-                out += diff(recorded[k], replayed[k], f"{path}.{k}")
+                out += _compare(recorded[k], replayed[k], f"{path}.{k}", pairs, _sub(raw, k))
         return out
     if isinstance(recorded, list):
+        if recorded and all(map(_is_record, recorded)) and all(map(_is_record, replayed)):
+            return _match_records(recorded, replayed, path, pairs, raw)
         if len(recorded) != len(replayed):
             return [f"{path}: {len(recorded)} items recorded, {len(replayed)} replayed"]
-        return [d for i, (a, b) in enumerate(zip(recorded, replayed)) for d in diff(a, b, f"{path}[{i}]")]
+        return [d for i, (a, b) in enumerate(zip(recorded, replayed))
+                for d in _compare(a, b, f"{path}[{i}]", pairs, _sub(raw, i))]
     return [] if recorded == replayed else [f"{path}: {recorded!r:.80} != {replayed!r:.80}"]
 
 
-def _ids(value: Any, path: str = "$") -> dict[str, str]:
-    """Every id in a response, by JSON path."""
-    if isinstance(value, dict):
-        return {p: v for k, item in value.items() for p, v in _ids(item, f"{path}.{k}").items()}
-    if isinstance(value, list):
-        return {p: v for i, item in enumerate(value) for p, v in _ids(item, f"{path}[{i}]").items()}
-    return {path: value} if isinstance(value, str) and ID.match(value) else {}
+def _sub(raw: tuple[Any, Any], key: Any) -> tuple[Any, Any]:
+    def get(v: Any) -> Any:
+        try:
+            return v[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return get(raw[0]), get(raw[1])
+
+
+def _match_records(recorded: list, replayed: list, path: str, pairs: list[tuple[Any, Any]],
+                   raw: tuple[Any, Any]) -> list[str]:
+    """Every recorded record needs an equal replayed one, in any order; extra replayed records are allowed."""
+    out, free = [], list(range(len(replayed)))
+    for i, want in enumerate(recorded):
+        closest: list[str] | None = None
+        for j in free:
+            inner: list[tuple[Any, Any]] = []
+            pair = _sub(raw, i)[0], _sub(raw, j)[1]
+            differences = _compare(want, replayed[j], f"{path}[{i}]", inner, pair)
+            if not differences:
+                free.remove(j)
+                pairs += [pair, *inner]
+                break
+            if closest is None or len(differences) < len(closest):
+                closest = differences
+        else:
+            why = f"; the closest replayed item differs: {closest[:3]}" if closest else ""
+            label = _label(want)
+            out.append(f"{path}[{i}]{' ' + label if label else ''}: no replayed item matches{why}")
+    return out
+
+
+def diff(recorded: Any, replayed: Any, path: str = "$") -> list[str]:
+    """Differences between two responses after masking, each with its JSON path."""
+    return _compare(mask(recorded), mask(replayed), path)
+
+
+def _learn_ids(recorded: Any, replayed: Any) -> dict[str, str]:
+    """The id mapping from a matched pair of responses: records aligned as the comparison aligned them."""
+    pairs: list[tuple[Any, Any]] = []
+    _compare(mask(recorded), mask(replayed), "$", pairs, (recorded, replayed))
+    ids: dict[str, str] = {}
+    for want, got in [(recorded, replayed), *pairs]:
+        if isinstance(want, dict) and isinstance(got, dict):
+            ids.update({want[k]: got[k] for k in ("id", "anomaly_id", "fix_id")
+                        if isinstance(want.get(k), str) and ID.match(want[k]) and isinstance(got.get(k), str)})
+    return ids
 
 
 def _rewrite(arguments: dict, ids: dict[str, str]) -> dict:
@@ -207,17 +279,14 @@ async def replay(client: Any, calls: list[dict], *, timeout: float = 60.0, poll:
             result = await client.call_tool(want["tool"], arguments)
             report.sent += 1
             got = {"is_error": result.is_error, "structured": result.structured_content}
-            differences = diff(expected, mask(got))
+            differences = _compare(expected, mask(got), "$")
             if not differences or time.monotonic() > deadline:
                 break
             await asyncio.sleep(poll)
         if differences:
             report.mismatches.append(Mismatch(want["seq"], want["tool"], differences))
             continue
-        recorded_ids, replayed_ids = _ids(want.get("structured")), _ids(got["structured"])
-        for p, rid in recorded_ids.items():
-            if p in replayed_ids:
-                ids[rid] = replayed_ids[p]
+        ids.update(_learn_ids(want.get("structured"), got["structured"]))
     return report
 
 
