@@ -151,17 +151,21 @@ async def _wait_status(client: Client, run: str, fix_id: str, until: set[str], t
 
 
 def connect(server: str | None = None, *, stdio_data: str | None = None, name: str = "traindx-scripted-agent",
-            token: str | None = None) -> Client:
+            token: str | None = None, mode: str = "auto") -> Client:
     """An MCP client over Streamable HTTP (a URL ending in /mcp; the token defaults to $TRAINDX_TOKEN) or
-    over stdio (`traindx mcp`, which reads the data directory and needs no token)."""
+    over stdio (`traindx mcp`, which reads the data directory and needs no token).
+
+    ``mode`` is the SDK's: "auto" speaks the current stateless revision (2026-07-28) and falls back to the
+    handshake; "legacy" forces the 2025-11-25 initialize handshake, as older clients do.
+    """
     info = Implementation(name=name, version="1")
     if stdio_data is not None:
         params = StdioServerParameters(command=sys.executable, args=["-m", "diag_server.cli", "mcp", "--data", stdio_data])
-        return Client(params, client_info=info)
+        return Client(params, client_info=info, mode=mode)
     token = token or os.environ.get("TRAINDX_TOKEN")
     if token:  # the server needs its token on /mcp (docs/security.md); the client passes it as a header
-        return Client(_with_token(server, token), client_info=info)
-    return Client(server, client_info=info)
+        return Client(_with_token(server, token), client_info=info, mode=mode)
+    return Client(server, client_info=info, mode=mode)
 
 
 @contextlib.asynccontextmanager
@@ -175,7 +179,7 @@ async def _with_token(url: str, token: str):  # noqa: ANN202 - a Transport: yiel
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    async with connect(args.server, stdio_data=args.data if args.stdio else None) as client:
+    async with connect(args.server, stdio_data=args.data if args.stdio else None, mode=args.mode) as client:
         print(f"watching run {args.run}", flush=True)  # connected: a caller may start the job now
         out = await triage(client, args.run, timeout=args.timeout, poll=args.poll)
     return 0 if out.verdict in (None, "effective") else 1
@@ -186,6 +190,8 @@ def main() -> None:
     p.add_argument("--server", default="http://127.0.0.1:8765/mcp", help="MCP endpoint (Streamable HTTP)")
     p.add_argument("--stdio", action="store_true", help="launch `traindx mcp` and talk to it over stdio")
     p.add_argument("--data", default=".traindx", help="data directory for --stdio")
+    p.add_argument("--mode", default="auto", choices=["auto", "legacy"],
+                   help="protocol era: auto (the stateless 2026-07-28 revision) or legacy (the 2025-11-25 handshake)")
     p.add_argument("--run", required=True)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for an anomaly")
     p.add_argument("--poll", type=float, default=0.25, help="seconds between two looks at the run")
