@@ -5,7 +5,7 @@ Thin, as the other routes and tools are: they call ``timeline`` and ``captures``
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
 import orjson
 from fastapi import APIRouter, Query, Request
@@ -65,10 +65,11 @@ def build_router(services: Services, writer: list[Any], common: list[Any]) -> AP
     return r
 
 
-def register_tools(server: Any, services: Services) -> None:
+def register_tools(tool: Callable[[ToolAnnotations], Callable[..., Any]], services: Services) -> None:
+    """Add the distributed tools with ``tool``, the MCP server's registering decorator (see tools.py)."""
     store = services.store
 
-    @server.tool(annotations=_READ)
+    @tool(_READ)
     async def get_timeline(
         run: RunArg,
         min_step: Annotated[int | None, Field(ge=0, description="Only spans of steps at or after this one.")] = None,
@@ -82,8 +83,8 @@ def register_tools(server: Any, services: Services) -> None:
         ui.perfetto.dev use GET /v1/runs/{run}/timeline?format=chrome or `traindx timeline RUN -o trace.json`."""
         return await _call(timeline.timeline, store, run, min_step=min_step, max_step=max_step, limit=limit)
 
-    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
-                                             open_world_hint=False))
+    @tool(ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
+          open_world_hint=False))
     async def capture(
         run: RunArg,
         ctx: Context,
@@ -96,7 +97,7 @@ def register_tools(server: Any, services: Services) -> None:
         per rank. Costs the job time while it runs: use a few steps."""
         return await _call(captures.request, store, run, steps, profile, _actor(ctx))
 
-    @server.tool(annotations=_READ)
+    @tool(_READ)
     async def get_capture(run: RunArg, capture_id: Annotated[str, Field(description="e.g. 'c-1', from capture")]) -> Capture:
         """A capture's status and, per rank that has finished, its operator breakdown (CPU and device time,
         memory), module input/output shapes, and whether the profiler trace can be downloaded

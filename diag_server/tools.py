@@ -7,6 +7,7 @@ act on (an unknown run lists the known runs; a stale fix says why).
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated, Any, Callable, Literal, TypeVar
 
 import anyio
@@ -49,20 +50,26 @@ def build_mcp(services: Services, version: str) -> MCPServer:
     store = services.store
     server = MCPServer("traindx", instructions=INSTRUCTIONS, version=version)
 
-    @server.tool(annotations=_READ)
+    def tool(annotations: ToolAnnotations) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Register a tool; its description is its docstring without the source's indentation."""
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            return server.tool(description=inspect.cleandoc(fn.__doc__ or ""), annotations=annotations)(fn)
+        return register
+
+    @tool(_READ)
     async def list_runs() -> RunList:
         """List every run the server knows, most recently active first, with its status (active, ended,
         stale), last step and count of open anomalies. Call this first to find the run id to pass to the
         other tools."""
         return await _call(queries.list_runs, store)
 
-    @server.tool(annotations=_READ)
+    @tool(_READ)
     async def get_run(run: RunArg) -> RunSummary:
         """Summary of one run: status, last step, latest value of every scalar (loss, val_loss, sys/...),
         open anomalies by kind and fixes by status. Use it to check progress after a fix."""
         return await _call(queries.run_summary, store, run)
 
-    @server.tool(annotations=_READ)
+    @tool(_READ)
     async def get_anomalies(
         run: RunArg,
         kind: Annotated[AnomalyKind | None, Field(description="Only this anomaly kind.")] = None,
@@ -79,14 +86,14 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         return await _call(queries.anomalies, store, run, kind=kind, severity=severity, status=status,
                            min_step=min_step, max_step=max_step, offset=offset, limit=limit)
 
-    @server.tool(annotations=_READ)
+    @tool(_READ)
     async def diagnose(run: RunArg) -> Diagnosis:
         """Rank the probable root causes of what went wrong in the run, each with the anomalies it explains,
         and a readable report. Fix the first cause first: its consequences often clear with it."""
         return await _call(diagnosis.diagnose, store, run)
 
-    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True,
-                                             open_world_hint=False))
+    @tool(ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True,
+          open_world_hint=False))
     async def propose_fix(run: RunArg, anomaly_id: Annotated[str, Field(description="e.g. 'a-3'")],
                           ctx: Context) -> FixList:
         """Candidate fixes for one anomaly, best first, computed from its evidence and the run's history
@@ -95,8 +102,8 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         apply_fix(run, fix_id) with the first live one. Proposing again returns the same ids."""
         return await _call(fixes.propose, store, run, anomaly_id, _actor(ctx))
 
-    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True,
-                                             open_world_hint=False))
+    @tool(ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True,
+          open_world_hint=False))
     async def apply_fix(run: RunArg, fix_id: Annotated[str, Field(description="e.g. 'f-5', from propose_fix")],
                         ctx: Context) -> Fix:
         """Queue a proposed fix for the live job. The job applies it at its next step boundary (only if it
@@ -105,21 +112,21 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         the anomaly. Poll get_fix_status. Applying twice applies once."""
         return await _call(fixes.apply, store, run, fix_id, _actor(ctx))
 
-    @server.tool(annotations=_READ)
+    @tool(_READ)
     async def get_fix_status(run: RunArg, fix_id: str) -> Fix:
         """Where a fix stands: proposed, pending, applied, rejected, failed, expired, effective, ineffective
         or reverted, with the reason and the job's before/after values. If ineffective and the reason says
         the loss got worse, call revert_fix."""
         return await _call(fixes.status, store, run, fix_id)
 
-    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True,
-                                             open_world_hint=False))
+    @tool(ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True,
+          open_world_hint=False))
     async def revert_fix(run: RunArg, fix_id: str, ctx: Context) -> Fix:
         """Undo an applied fix in the job (restore the learning rate, remove a clip, ...). The status becomes
         reverted once the job acknowledges."""
         return await _call(fixes.revert, store, run, fix_id, _actor(ctx))
 
-    @server.tool(annotations=_READ)
+    @tool(_READ)
     async def compression_recipe(
         run: RunArg,
         target_sparsity: Annotated[float, Field(ge=0.0, lt=1.0, description="Fraction of all weights to zero.")] = 0.8,
@@ -134,8 +141,8 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         return await _call(compression.recipe, store, run, target_sparsity, target_bytes=target_bytes,
                            structure=structure)
 
-    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
-                                             open_world_hint=False))
+    @tool(ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
+          open_world_hint=False))
     async def propose_prune(
         run: RunArg, ctx: Context,
         target_sparsity: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.8,
@@ -150,15 +157,15 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         return await _call(compression.propose_prune, store, run, target_sparsity, target_bytes=target_bytes,
                            structure=structure, rounds=rounds, every=every, actor=_actor(ctx))
 
-    @server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
-                                             open_world_hint=False))
+    @tool(ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
+          open_world_hint=False))
     async def measure_sensitivity(run: RunArg, ctx: Context) -> Fix:
         """Ask the job to measure, on its held batch, each layer's loss change when pruned alone and cast to
         fp16/bf16/int8 (needs probe.set_held_batch and allow=[..., 'sensitivity']). The next
         compression_recipe is calibrated by it."""
         return await _call(compression.request_sensitivity, store, run, actor=_actor(ctx))
 
-    @server.tool(annotations=_READ)
+    @tool(_READ)
     async def get_series(
         run: RunArg,
         name: Annotated[str, Field(description="A scalar such as 'loss', 'val_loss', 'sys/step_time', or a "
@@ -195,5 +202,5 @@ def build_mcp(services: Services, version: str) -> MCPServer:
                 "the next proposal. Report what you found, what you changed (before -> after) and the verdict.")
 
     from .distributed_api import register_tools
-    register_tools(server, services)
+    register_tools(tool, services)
     return server

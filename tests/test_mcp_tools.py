@@ -61,3 +61,11 @@ def test_errors_an_agent_can_act_on(mcp_server):
     unknown, bad = run(go())
     assert unknown.is_error and "unknown_run" in unknown.content[0].text and "known runs" in unknown.content[0].text
     assert bad.is_error and "limit" in bad.content[0].text
+
+
+def test_descriptions_read_cleanly(mcp_server):
+    async def go():
+        async with Client(mcp_server) as c:
+            return (await c.list_tools()).tools
+    for t in run(go()):
+        assert "\n " not in t.description and t.description == t.description.strip(), t.name
