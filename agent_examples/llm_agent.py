@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import sys
 from typing import Any
@@ -104,9 +105,7 @@ def main() -> None:
     args = p.parse_args()
     if not os.environ.get("ANTHROPIC_API_KEY"):
         sys.exit("llm_agent: set ANTHROPIC_API_KEY to run the LLM-driven example (the scripted agent needs no key)")
-    try:
-        import anthropic  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("anthropic") is None:
         sys.exit('llm_agent: pip install -e ".[llm]" for the anthropic SDK')
     sys.exit(asyncio.run(main_async(args)))
 

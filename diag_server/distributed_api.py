@@ -23,12 +23,12 @@ from .tools import _READ, RunArg, _actor, _call
 MAX_CAPTURE_STEPS = captures.MAX_CAPTURE_STEPS
 
 
-def build_router(services: Services, writer: list[Any], common: list[Any]) -> APIRouter:
-    """The distributed routes, with the main router's error responses and browser guard (``common``)."""
+def build_router(services: Services, writer: list[Any]) -> APIRouter:
+    """The distributed routes, with the main router's error responses and write guard (``writer``)."""
     from .http import ERRORS, actor, respond
 
     store = services.store
-    r = APIRouter(responses=ERRORS, dependencies=common)
+    r = APIRouter(responses=ERRORS)
 
     @r.get("/v1/runs/{run}/timeline", response_model=Timeline, tags=["distributed"],
            summary="The run's spans across ranks; ?format=chrome for a Chrome trace / Perfetto JSON file")

@@ -9,10 +9,13 @@ offered to look closer, with an expected effect that says it fixes nothing.
 from __future__ import annotations
 
 import sqlite3
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from schemas.enums import AnomalyKind, FixAction
 from schemas.records import Anomaly
+
+if TYPE_CHECKING:  # fixes imports this module to register its proposers
+    from .fixes import Candidate
 
 # The rules whose anomalies are proposed for here (other rules of the same kinds keep their own proposers).
 RULES = {"cross_rank_timing", "rank_dataloader_bottleneck", "rank_memory_growth", "mode_step_time_outlier"}

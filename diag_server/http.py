@@ -24,7 +24,6 @@ from schemas.records import (Anomaly, AnomalyPage, AuditPage, CompressionRecipe,
 from . import compression, diagnosis, fixes, queries, views
 from .errors import ApiError
 from .ingest import MAX_BODY_BYTES, ingest, parse_batch
-from .origin import check_browser_request
 from .retention import delete_run
 from .security import authorized
 from .services import Services
@@ -131,12 +130,8 @@ def build_router(services: Services) -> APIRouter:
         if not authorized(request.headers, token.encode()):
             raise ApiError(401, "unauthorized", "this route needs 'Authorization: Bearer <token>' (see TRAINDX_TOKEN)")
 
-    def browser_guard(request: Request) -> None:
-        check_browser_request(request.headers, services.settings.host)
-
     writer = [Depends(require_token)]
-    common = [Depends(browser_guard)]
-    r = APIRouter(responses=ERRORS, dependencies=common)
+    r = APIRouter(responses=ERRORS)
 
     @r.get("/health", response_model=Health, tags=["server"])
     def health(request: Request) -> Response:
@@ -325,7 +320,7 @@ def build_router(services: Services) -> APIRouter:
         return respond(request, compression.request_sensitivity(store, run, actor=actor(request)))
 
     from .distributed_api import build_router as distributed_routes
-    r.routes.extend(distributed_routes(services, writer, common).routes)  # one flat router
+    r.routes.extend(distributed_routes(services, writer).routes)  # one flat router
     return r
 
 
