@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from typing import Any
+from typing import Any, Iterable
 
 import orjson
 
@@ -31,6 +31,18 @@ def _run(row: sqlite3.Row, open_anomalies: int, now: float) -> Run:
     return Run(run=row["run"], status=status, created_at=row["created_at"], last_seen=row["last_seen"],
                last_step=row["last_step"] or 0, device=start.get("device", ""),
                total_params=start.get("total_params", 0), allow=start.get("allow", []), open_anomalies=open_anomalies)
+
+
+def filters(first: tuple[str, Any], *, equal: Iterable[tuple[str, Any]] = (), at_least: Iterable[tuple[str, Any]] = (),
+            at_most: Iterable[tuple[str, Any]] = ()) -> tuple[list[str], list[Any]]:
+    """A WHERE clause's terms and arguments: ``first`` always, then each filter whose value is not None."""
+    where, args = [f"{first[0]}=?"], [first[1]]
+    for op, pairs in (("=", equal), (">=", at_least), ("<=", at_most)):
+        for col, value in pairs:
+            if value is not None:
+                where.append(f"{col}{op}?")
+                args.append(getattr(value, "value", value))  # an enum member's value
+    return where, args
 
 
 def require_run(conn: sqlite3.Connection, run: str) -> sqlite3.Row:
@@ -97,23 +109,14 @@ def anomalies(store: Store, run: str, *, kind: AnomalyKind | None = None, severi
     conn = store.read()
     require_run(conn, run)
     check_page(offset, limit)
-    where, args = ["run=?"], [run]
+    where, args = filters(("run", run), equal=(("kind", kind), ("severity", severity), ("status", status)),
+                          at_least=(("last_step", min_step),), at_most=(("first_step", max_step),))
     if min_step_time is not None:
         # A latency threshold: the slowest step of a sampling interval ('sys/step_time_max', reported at
         # the interval's last step) reached it while the anomaly held.
         where.append("EXISTS (SELECT 1 FROM scalars s WHERE s.run=anomalies.run AND s.name='sys/step_time_max' "
                      "AND s.value>=? AND s.step>=anomalies.first_step AND s.step<=anomalies.last_step+?)")
         args.extend([min_step_time, _interval(conn, run)])
-    for col, value in (("kind", kind), ("severity", severity), ("status", status)):
-        if value is not None:
-            where.append(f"{col}=?")
-            args.append(value.value)
-    if min_step is not None:
-        where.append("last_step>=?")
-        args.append(min_step)
-    if max_step is not None:
-        where.append("first_step<=?")
-        args.append(max_step)
     clause = " AND ".join(where)
     total = conn.execute(f"SELECT count(*) FROM anomalies WHERE {clause}", args).fetchone()[0]
     # Open and critical first: what an agent should look at before anything else.
@@ -165,20 +168,9 @@ def fix_page(store: Store, run: str, *, status: FixStatus | None = None, anomaly
     conn = store.read()
     require_run(conn, run)
     check_page(offset, limit)
-    where, args = ["f.run=?"], [run]
-    for col, value in (("f.status", status), ("a.kind", kind), ("a.severity", severity)):
-        if value is not None:
-            where.append(f"{col}=?")
-            args.append(value.value)
-    if anomaly_id is not None:
-        where.append("f.anomaly_id=?")
-        args.append(anomaly_id)
-    if min_step is not None:
-        where.append("a.last_step>=?")
-        args.append(min_step)
-    if max_step is not None:
-        where.append("a.first_step<=?")
-        args.append(max_step)
+    where, args = filters(("f.run", run), equal=(("f.status", status), ("a.kind", kind), ("a.severity", severity),
+                                                 ("f.anomaly_id", anomaly_id)),
+                          at_least=(("a.last_step", min_step),), at_most=(("a.first_step", max_step),))
     frm = f"FROM fixes f LEFT JOIN anomalies a ON a.id=f.anomaly_id WHERE {' AND '.join(where)}"
     total = conn.execute(f"SELECT count(*) {frm}", args).fetchone()[0]
     rows = conn.execute(f"SELECT f.* {frm} ORDER BY f.seq LIMIT ? OFFSET ?",

@@ -14,7 +14,7 @@ from typing import Any
 from schemas.records import RankInfo, Timeline, TimelineSpan
 
 from .errors import ApiError
-from .queries import require_run
+from .queries import filters, require_run
 from .rules.base import median
 from .store import Store
 
@@ -47,13 +47,7 @@ def timeline(store: Store, run: str, *, min_step: int | None = None, max_step: i
         raise ApiError(422, "invalid_parameter", f"limit must be between 1 and {MAX_SPANS}, got {limit}")
     conn = store.read()
     require_run(conn, run)
-    where, args = ["run=?"], [run]
-    if min_step is not None:
-        where.append("step>=?")
-        args.append(min_step)
-    if max_step is not None:
-        where.append("step<=?")
-        args.append(max_step)
+    where, args = filters(("run", run), at_least=(("step", min_step),), at_most=(("step", max_step),))
     # The latest spans when there are more than the limit: the recent past is what a person looks at.
     rows = conn.execute(f"SELECT * FROM spans WHERE {' AND '.join(where)} ORDER BY step DESC, rank, start LIMIT ?",
                         [*args, limit + 1]).fetchall()
