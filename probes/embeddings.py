@@ -68,6 +68,11 @@ TOP_ROWS = 256
 COLLAPSE_SAMPLE = 512
 # A fixed random sample of each table's rows, for medians (touches, energy per lookup) and collapse.
 SAMPLE_ROWS = 4096
+# Tracked steps are queued and folded into the statistics together (see TableState.flush) at a report,
+# or once this many steps or this many looked-up values (lookups x width: 8 MB of float32 per copy of
+# the rows, three copies) are queued, whichever comes first.
+FLUSH_STEPS = 64
+FLUSH_VALUES = 1 << 21
 
 
 def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, list[torch.nn.Module]]]:
@@ -101,7 +106,7 @@ class TableState:
         # and writes a touched row's state with one gather and one scatter. Columns: touches, velocity, consistency numerator
         # and denominator, mean ||g||^2, mean ||mean g||^2, energy per lookup, non-finite flag, then the
         # mean gradient (k) and the previous innovation (k); the properties below name them.
-        self.state = torch.zeros(rows, 8 + 2 * self.k, device=dev)
+        self._state = torch.zeros(rows, 8 + 2 * self.k, device=dev)
         pad = {m.padding_idx for m in modules if getattr(m, "padding_idx", None) is not None}
         self.padding = torch.tensor(sorted(p % rows for p in pad), dtype=torch.long, device=dev)
         self.sparse = any(getattr(m, "sparse", False) for m in modules)
@@ -116,15 +121,22 @@ class TableState:
         self.dead_scan = 0
         self.occ_median = torch.tensor(float("nan"), device=dev)
         self.touch_median = torch.tensor(float("nan"), device=dev)
-        # One tracked step's scratch: looked-up indices, then the touched rows and their values.
+        # One tracked step's scratch (looked-up indices, then their gradient rows and values), and the
+        # tracked steps queued for flush(): (ids, gradient rows or sparse entries, rows before, rows after).
         self.lookups: list[torch.Tensor] = []
-        self.idx: torch.Tensor | None = None
-        self.grad: torch.Tensor | None = None
-        self.count: torch.Tensor | None = None
-        self.before: torch.Tensor | None = None
+        self._cur: tuple | None = None
+        self.pending: list[tuple] = []
+        self.pending_rows = 0
 
     def state_bytes(self) -> int:
-        return self.state.numel() * self.state.element_size()
+        return self._state.numel() * self._state.element_size()
+
+    @property
+    def state(self) -> torch.Tensor:
+        """The per-row statistics, with every queued step folded in."""
+        if self.pending:
+            self.flush()
+        return self._state
 
     # Views of the state's columns (reads; the tracked step writes whole rows).
     touches = property(lambda self: self.state[:, 0])
@@ -147,103 +159,173 @@ class TableState:
     def _sketch(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.proj is None else x @ self.proj
 
-    # -- one tracked step ------------------------------------------------------------------------------
+    # -- one tracked step: record the touched rows; the statistics are folded in by flush() -------------
     def gather(self) -> None:
-        """Before the optimizer step: which rows were touched, their gradients and their values."""
-        self.idx = self.grad = self.before = None
+        """Before the optimizer step: copy the looked-up rows' gradients and values (no arithmetic)."""
+        self._cur = None
         w = self.weight
         grad = w.grad
-        if grad is None:
-            self.lookups = []
-            return
         lookups, self.lookups = self.lookups, []
+        if grad is None:
+            return
         if grad.is_sparse:
-            grad = grad.coalesce()
-            gi, gv = grad.indices()[0], grad.values()
             if lookups:
-                idx, count = torch.unique(torch.cat(lookups), return_counts=True)
-                pos = torch.searchsorted(gi, idx).clamp_max(max(gi.numel() - 1, 0))
-                if gi.numel():
-                    hit = gi[pos] == idx  # a looked-up row the sparse gradient does not hold has no gradient
-                    g = torch.where(hit[:, None], gv[pos], torch.zeros((), dtype=gv.dtype, device=gv.device))
-                else:
-                    g = torch.zeros(idx.numel(), w.shape[1], device=w.device)
+                ids = lookups[0] if len(lookups) == 1 else torch.cat(lookups)
+                # The uncoalesced entries, copied: duplicates are summed in flush(), which also drops the
+                # entries of rows no forward hook saw (a row gets a gradient only where it was looked up).
+                g: Any = (grad._indices()[0].clone(), grad._values().detach().clone())
             else:  # looked up outside the modules' forward (functional call): one lookup per row
-                idx, g = gi, gv
-                count = torch.ones(idx.numel(), device=idx.device)
+                grad = grad.coalesce()
+                ids, g = grad.indices()[0], grad.values().detach().clone()
         else:
             if not lookups:
                 return
-            idx, count = torch.unique(torch.cat(lookups), return_counts=True)
-            g = grad.index_select(0, idx)
-        if self.padding.numel():
-            keep = ~torch.isin(idx, self.padding)
-            idx, g, count = idx[keep], g[keep], count[keep]
-        g = g.detach().float()
-        # A looked-up row with an exactly zero gradient did not learn; a NaN gradient (NaN != 0) is a touch.
-        touched = g.ne(0).any(dim=1)
-        self.idx, self.grad, self.count = idx[touched], g[touched], count[touched].float()
-        self.before = w.detach().index_select(0, self.idx).float()
+            ids = lookups[0] if len(lookups) == 1 else torch.cat(lookups)
+            g = grad.index_select(0, ids)
+        self._cur = (ids, g, w.detach().index_select(0, ids))
 
     def update(self, step: int, with_delta: bool) -> None:
-        """After the optimizer step (or at probe.step without an optimizer): fold this step into the rows.
-
-        One gather of the rows' state, element-wise arithmetic on the touched rows, one scatter."""
-        idx, g = self.idx, self.grad
+        """After the optimizer step (or at probe.step without an optimizer): the rows' values after it.
+        The step is queued; flush() folds the queue into the statistics."""
         self.tracked_steps += 1
-        self.idx = self.grad = None
-        if idx is None or idx.numel() == 0:
-            self.before = None
+        cur, self._cur = self._cur, None
+        if cur is None:
             return
-        k = self.k
-        old = self.state.index_select(0, idx)
-        after = self.weight.detach().index_select(0, idx).float()
-        finite = torch.isfinite(torch.cat([g, after], dim=1)).all(dim=1)
+        ids, g, before = cur
+        after = self.weight.detach().index_select(0, ids)
+        self.pending.append((ids, g, before if with_delta else None, after))
+        self.pending_rows += ids.numel()
+
+    def flush_due(self) -> bool:
+        return len(self.pending) >= FLUSH_STEPS or self.pending_rows * self.dim >= FLUSH_VALUES
+
+    def flush(self) -> None:
+        """Fold the queued steps into the rows' statistics, in step order, with a fixed number of vectorised
+        operations whatever the number of steps: each statistic is a recurrence x_j = (1 - a_j) x_{j-1} +
+        a_j y_j over a row's successive touches, which is solved for all rows and steps at once by a
+        segmented parallel scan (log2(steps) rounds). O(lookups queued x width)."""
+        pending, self.pending, self.pending_rows = self.pending, [], 0
+        if not pending:
+            return
+        with torch.no_grad():
+            self._fold(pending)
+
+    def _fold(self, pending: list) -> None:
+        dev, k, n_steps = self.weight.device, self.k, len(pending)
+        sizes = [p[0].numel() for p in pending]
+        ids = torch.cat([p[0] for p in pending])
+        steps = torch.repeat_interleave(torch.arange(n_steps, device=dev), torch.tensor(sizes, device=dev))
+        # One entry per (row, step), sorted by row, then step: a row's touches are consecutive, in order.
+        key = ids * n_steps + steps
+        entry, inv, count = torch.unique(key, return_inverse=True, return_counts=True)
+        E = entry.numel()
+        # Each lookup's full-width rows are reduced at once to what the statistics read: the gradient's
+        # sketch and largest |element| (zero: no gradient; NaN or inf: a non-finite gradient), the row's
+        # largest |element| after the step (finiteness) and the norm of its step. Then one copy per
+        # (row, step). (abs().amax: linalg.vector_norm with ord 1 or inf is ~10x slower on CPU.)
+        after = torch.cat([p[3] for p in pending]).float()
+        if all(p[2] is not None for p in pending):
+            step_norm = torch.linalg.vector_norm(after - torch.cat([p[2] for p in pending]).float(), dim=1)
+            has_delta = None
+        else:
+            step_norm = torch.cat([torch.linalg.vector_norm(p[3].float() - p[2].float(), dim=1) if p[2] is not None
+                                   else torch.zeros(p[0].numel(), device=dev) for p in pending])
+            has_delta = torch.cat([torch.full((p[0].numel(),), float(p[2] is not None), device=dev) for p in pending])
+        cols = [_max_abs(after), step_norm]
+        if has_delta is not None:
+            cols.append(has_delta)
+        if all(isinstance(p[1], torch.Tensor) for p in pending):
+            # A dense gradient's row is the same at every lookup of it: reduce per lookup, keep one.
+            g = torch.cat([p[1] for p in pending]).float()
+            per_lookup = torch.cat([torch.stack(cols, dim=1), _max_abs(g)[:, None],
+                                    self._sketch(g)], dim=1)
+            e = torch.zeros(E, per_lookup.shape[1], device=dev).index_copy_(0, inv, per_lookup)
+        else:
+            # Sparse entries of one row and step add up (one per lookup): sum them at full width first.
+            at = [0]
+            for s in sizes:
+                at.append(at[-1] + s)
+            g = torch.zeros(E, self.dim, device=dev)
+            for i, p in enumerate(pending):
+                if isinstance(p[1], torch.Tensor):
+                    g.index_copy_(0, inv[at[i]:at[i + 1]], p[1].float())
+                    continue
+                gi, gv = p[1]
+                gkey = gi * n_steps + i
+                pos = torch.searchsorted(entry, gkey).clamp_max(E - 1)
+                hit = entry[pos] == gkey  # a sparse gradient row no forward hook saw is not a lookup
+                g.index_add_(0, pos, torch.where(hit[:, None], gv.float(), torch.zeros((), device=dev)))
+            e = torch.zeros(E, len(cols), device=dev).index_copy_(0, inv, torch.stack(cols, dim=1))
+            e = torch.cat([e, _max_abs(g)[:, None], self._sketch(g)], dim=1)
+        nd = len(cols)
+        row = entry // n_steps
+        # A looked-up row with an exactly zero gradient did not learn; a NaN gradient (NaN != 0) is a touch.
+        touched = e[:, nd] != 0
+        if self.padding.numel():
+            touched &= ~torch.isin(row, self.padding)
+        row, e, count = row[touched], e[touched], count[touched].float()
+        E = row.numel()
+        if E == 0:
+            return
+        finite = torch.isfinite(e[:, 0]) & torch.isfinite(e[:, nd])
         fin = finite.float()
-        t = old[:, 0] + fin  # a row that is not finite this step keeps its statistics (weights 0 below)
-        inv = 1.0 / t.clamp_min(1.0)
+        delta = torch.nan_to_num(e[:, 1], nan=0.0, posinf=0.0, neginf=0.0)
+        gs = torch.where(finite[:, None], e[:, nd + 1:], torch.zeros((), device=dev))
+        rows, seg, per_row = torch.unique_consecutive(row, return_inverse=True, return_counts=True)
+        end = per_row.cumsum(0) - 1
+        start = (end - per_row + 1).index_select(0, seg)  # per entry: where its row's run starts
+        at = torch.arange(E, device=dev)
+        first = at == start
+        old = self._state.index_select(0, rows)
+        old_e = old.index_select(0, seg)
+
+        cum = fin.cumsum(0)
+        t = old_e[:, 0] + cum - (cum - fin).index_select(0, start)  # a non-finite step keeps the row's statistics
+        inv_t = 1.0 / t.clamp_min(1.0)
         # Running means until a row has 1/alpha observations, EMAs after, so that a rarely touched row is
         # not dominated by its first values.
-        a_fast = inv.clamp_min(EMA_ALPHA) * fin
-        a_slow = inv.clamp_min(SLOW_ALPHA) * fin
-        g = g * fin[:, None]  # NaN * 0 is NaN: zero the bad rows explicitly below
-        g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
-        gs = self._sketch(g)
-        m, prev = old[:, 8:8 + k], old[:, 8 + k:]
+        a_fast = inv_t.clamp_min(EMA_ALPHA) * fin
+        a_slow = inv_t.clamp_min(SLOW_ALPHA) * fin
+        # The first innovation is against a mean of one gradient: pairs count from the third touch.
+        a_pair = (1.0 / (t - 2).clamp_min(1.0)).clamp_min(SLOW_ALPHA) * (fin * (t >= 3))
+        warm = t - 1.0 / EMA_ALPHA  # ||mean||^2 over the fast window, averaged once the window is full
+        a_mean = (1.0 / warm.clamp_min(1.0)).clamp_min(SLOW_ALPHA) * (fin * (warm >= 1))
         # Direction consistency: the correlation of the row's successive gradient steps around their recent
         # mean (lag-1 autocorrelation of the innovations g_t - mean_{t-1}, as an EMA of inner products over
         # an EMA of norm products: a magnitude-weighted mean cosine in [-1, 1]). Centred, so that a trend
         # common to successive steps (a row still drifting towards its optimum) does not hide the reversals;
         # on gradients, not the optimizer's deltas, since momentum (Adam's beta1 = 0.9) averages successive
         # gradients and its deltas agree even when every gradient reverses the last one.
-        inno = gs - m
-        # The first innovation is against a mean of one gradient: pairs count from the third touch.
-        a_pair = (1.0 / (t - 2).clamp_min(1.0)).clamp_min(SLOW_ALPHA) * (fin * (t >= 3))
+        old_m, old_prev = old_e[:, 8:8 + k], old_e[:, 8 + k:]
+        m = _ema_scan(a_fast[:, None], gs, old_m, first, n_steps)
+        m_before = torch.where(first[:, None], old_m, torch.roll(m, 1, dims=0))
+        inno = gs - m_before
+        # The previous innovation: that of the row's last finite touch before this one, else the stored one.
+        last_fin = torch.cummax(torch.where(finite, at, torch.full_like(at, -1)), dim=0).values
+        last_before = torch.roll(last_fin, 1, dims=0)
+        has_prev = ~first & (last_before >= start)
+        prev = torch.where(has_prev[:, None], inno.index_select(0, last_before.clamp_min(0)), old_prev)
         gn2 = gs.pow(2).sum(dim=1)
-        m_new = m + a_fast[:, None] * inno
-        warm = t - 1.0 / EMA_ALPHA  # ||mean||^2 over the fast window, averaged once the window is full
-        a_mean = (1.0 / warm.clamp_min(1.0)).clamp_min(SLOW_ALPHA) * (fin * (warm >= 1))
-        delta = (after - self.before).norm(dim=1) if with_delta and self.before is not None else old[:, 1]
-        delta = torch.nan_to_num(delta, nan=0.0, posinf=0.0, neginf=0.0)
-        self.before = None
         targets = torch.stack([
-            t,
             delta,
             (inno * prev).sum(dim=1),
             inno.norm(dim=1) * prev.norm(dim=1),
             gn2,
-            m_new.pow(2).sum(dim=1),
+            m.pow(2).sum(dim=1),
             # Energy per lookup: a step's gradient sums one term per lookup, so ||g||^2 / lookups is what a
             # row's data says each time, comparable between popular and rare rows.
-            gn2 / self.count,
-            1.0 - fin,
+            gn2 / count,
         ], dim=1)
-        rates = torch.stack([torch.ones_like(t), a_fast, a_pair, a_pair, a_slow, a_mean, a_slow,
-                             torch.ones_like(t)], dim=1)
-        new = torch.cat([old[:, :8] + rates * (targets - old[:, :8]), m_new,
-                         torch.where(finite[:, None], inno, prev)], dim=1)
-        self.state.index_copy_(0, idx, new)
-        self.window.append(idx)
+        a_vel = a_fast if has_delta is None else a_fast * e[:, 2]
+        rates = torch.stack([a_vel, a_pair, a_pair, a_slow, a_mean, a_slow], dim=1)
+        stats = _ema_scan(rates, targets, old_e[:, 1:7], first, n_steps)
+        last_fin_row = last_fin.index_select(0, end)
+        prev_row = torch.where((last_fin_row >= start.index_select(0, end))[:, None],
+                               inno.index_select(0, last_fin_row.clamp_min(0)), old[:, 8 + k:])
+        new = torch.cat([t.index_select(0, end)[:, None], stats.index_select(0, end),
+                         1.0 - fin.index_select(0, end)[:, None], m.index_select(0, end), prev_row], dim=1)
+        self._state.index_copy_(0, rows, new)
+        self.window.append(rows)
         if len(self.window) > 64:  # bounded, however long the report interval
             self.window = [torch.unique(torch.cat(self.window))]
 
@@ -401,6 +483,32 @@ class TableState:
         return rank, cos, torch.tensor(float(m), device=dev)
 
 
+def _max_abs(x: torch.Tensor) -> torch.Tensor:
+    """Per row: the largest |element|, NaN when the row holds a NaN, inf when it holds an inf."""
+    return x.abs().amax(dim=1)
+
+
+def _ema_scan(rate: torch.Tensor, y: torch.Tensor, x0: torch.Tensor, first: torch.Tensor, n_steps: int) -> torch.Tensor:
+    """Every x_j of x_j = (1 - rate_j) x_{j-1} + rate_j y_j along each row's run of consecutive entries,
+    starting from x0 (given per entry; read at a run's first entry); a run (one row's touches) is at most
+    n_steps long. An inclusive Hillis-Steele scan over the affine maps x -> c x + b: ceil(log2(n_steps))
+    rounds of four element-wise operations. The row's stored value is folded into its first entry,
+    whose map becomes constant (c = 0), so a combination that reaches into the previous row multiplies
+    it by 0: no segment masks are needed, given finite values. The same products as the step-by-step
+    update, in another order."""
+    c = 1.0 - rate
+    b = torch.where(first[:, None], c * x0 + rate * y, rate * y)
+    b = torch.nan_to_num(b, nan=0.0, posinf=1e30, neginf=-1e30)  # finite, so that 0 * b is 0
+    c = torch.where(first[:, None], torch.zeros((), device=c.device), c)
+    d = 1
+    while d < n_steps:
+        b[d:] += c[d:] * b[:-d]
+        d *= 2
+        if d < n_steps:
+            c[d // 2:] = c[d // 2:] * c[:-(d // 2)]
+    return b
+
+
 def _decode(name: str, table: TableState, raw: list[float], plan: dict) -> dict:
     def num(x: float) -> float | None:
         return x if math.isfinite(x) else None
@@ -503,6 +611,9 @@ class Embeddings(Collection):
                 t.gather()
                 t.update(step, with_delta=False)
         if not self.reports(step):
+            for t in self.tables:
+                if t.flush_due():
+                    t.flush()
             return []
         names, parts, plans = [], [], []
         for t in self.tables:
