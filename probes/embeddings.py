@@ -127,6 +127,9 @@ class TableState:
         self._cur: tuple | None = None
         self.pending: list[tuple] = []
         self.pending_rows = 0
+        # Rows updated at least once, non-finite, and eligible (>= MIN_TOUCHES updates, finite), kept as
+        # rows change so that a report does not count them over the whole table.
+        self.counts = torch.zeros(3, dtype=torch.long, device=dev)
 
     def state_bytes(self) -> int:
         return self._state.numel() * self._state.element_size()
@@ -199,7 +202,7 @@ class TableState:
     def flush_due(self) -> bool:
         return len(self.pending) >= FLUSH_STEPS or self.pending_rows * self.dim >= FLUSH_VALUES
 
-    def flush(self) -> None:
+    def flush(self, entries: dict | None = None) -> None:
         """Fold the queued steps into the rows' statistics, in step order, with a fixed number of vectorised
         operations whatever the number of steps: each statistic is a recurrence x_j = (1 - a_j) x_{j-1} +
         a_j y_j over a row's successive touches, which is solved for all rows and steps at once by a
@@ -208,79 +211,88 @@ class TableState:
         if not pending:
             return
         with torch.no_grad():
-            self._fold(pending)
+            self._fold(pending, entries)
 
-    def _fold(self, pending: list) -> None:
+    def _fold(self, pending: list, entries: dict | None = None) -> None:
         dev, k, n_steps = self.weight.device, self.k, len(pending)
-        sizes = [p[0].numel() for p in pending]
-        ids = torch.cat([p[0] for p in pending])
-        steps = torch.repeat_interleave(torch.arange(n_steps, device=dev), torch.tensor(sizes, device=dev))
         # One entry per (row, step), sorted by row, then step: a row's touches are consecutive, in order.
-        key = ids * n_steps + steps
-        entry, inv, count = torch.unique(key, return_inverse=True, return_counts=True)
+        # Tables looked up with the same index tensors (a user table and its bias table) share the sort.
+        ident = tuple(id(p[0]) for p in pending)
+        ids = torch.cat([p[0] for p in pending])
+        if entries is not None and ident in entries:
+            entry, inv, count = entries[ident]
+        else:
+            sizes = [p[0].numel() for p in pending]
+            steps = torch.repeat_interleave(torch.arange(n_steps, device=dev), torch.tensor(sizes, device=dev))
+            key = ids * n_steps + steps
+            entry, inv, count = torch.unique(key, return_inverse=True, return_counts=True)
+            if entries is not None:
+                entries[ident] = (entry, inv, count)
         E = entry.numel()
-        # Each lookup's full-width rows are reduced at once to what the statistics read: the gradient's
-        # sketch and largest |element| (zero: no gradient; NaN or inf: a non-finite gradient), the row's
-        # largest |element| after the step (finiteness) and the norm of its step. Then one copy per
-        # (row, step). (abs().amax: linalg.vector_norm with ord 1 or inf is ~10x slower on CPU.)
+        # Each lookup's full-width rows are reduced at once to what the statistics read: the row's largest
+        # |element| after the step (finiteness), the norm of its step, the gradient's largest |element|
+        # (zero: no gradient; NaN or inf: a non-finite gradient) and its sketch. Then one copy per (row,
+        # step). (abs().amax: linalg.vector_norm with ord 1 or inf is ~10x slower on CPU.)
         after = torch.cat([p[3] for p in pending]).float()
         if all(p[2] is not None for p in pending):
-            step_norm = torch.linalg.vector_norm(after - torch.cat([p[2] for p in pending]).float(), dim=1)
-            has_delta = None
+            step_norm = (after - torch.cat([p[2] for p in pending]).float()).pow(2).sum(dim=1).sqrt()
+            has_delta = torch.ones((), device=dev)
         else:
             step_norm = torch.cat([torch.linalg.vector_norm(p[3].float() - p[2].float(), dim=1) if p[2] is not None
                                    else torch.zeros(p[0].numel(), device=dev) for p in pending])
             has_delta = torch.cat([torch.full((p[0].numel(),), float(p[2] is not None), device=dev) for p in pending])
-        cols = [_max_abs(after), step_norm]
-        if has_delta is not None:
-            cols.append(has_delta)
+        per_lookup = [_max_abs(after), step_norm, has_delta.expand(after.shape[0])]
         if all(isinstance(p[1], torch.Tensor) for p in pending):
             # A dense gradient's row is the same at every lookup of it: reduce per lookup, keep one.
             g = torch.cat([p[1] for p in pending]).float()
-            per_lookup = torch.cat([torch.stack(cols, dim=1), _max_abs(g)[:, None],
-                                    self._sketch(g)], dim=1)
-            e = torch.zeros(E, per_lookup.shape[1], device=dev).index_copy_(0, inv, per_lookup)
+            e = torch.cat([torch.stack([*per_lookup, _max_abs(g)], dim=1), self._sketch(g)], dim=1)
+            e = torch.zeros(E, e.shape[1], device=dev).index_copy_(0, inv, e)
         else:
             # Sparse entries of one row and step add up (one per lookup): sum them at full width first.
-            at = [0]
-            for s in sizes:
-                at.append(at[-1] + s)
             g = torch.zeros(E, self.dim, device=dev)
-            for i, p in enumerate(pending):
-                if isinstance(p[1], torch.Tensor):
-                    g.index_copy_(0, inv[at[i]:at[i + 1]], p[1].float())
-                    continue
-                gi, gv = p[1]
-                gkey = gi * n_steps + i
+            sparse = [(i, p[1]) for i, p in enumerate(pending) if not isinstance(p[1], torch.Tensor)]
+            gi = torch.cat([x[0] for _, x in sparse])
+            gv = torch.cat([x[1] for _, x in sparse]).float()
+            if len(sparse) == n_steps and gi.numel() == inv.numel() and torch.equal(gi, ids):
+                g.index_add_(0, inv, gv)  # the usual case: one gradient entry per lookup, in lookup order
+            else:
+                at = 0
+                for i, p in enumerate(pending):
+                    if isinstance(p[1], torch.Tensor):
+                        g.index_copy_(0, inv[at:at + p[0].numel()], p[1].float())
+                    at += p[0].numel()
+                gstep = torch.repeat_interleave(torch.tensor([i for i, _ in sparse], device=dev),
+                                                torch.tensor([x[0].numel() for _, x in sparse], device=dev))
+                gkey = gi * n_steps + gstep
                 pos = torch.searchsorted(entry, gkey).clamp_max(E - 1)
                 hit = entry[pos] == gkey  # a sparse gradient row no forward hook saw is not a lookup
-                g.index_add_(0, pos, torch.where(hit[:, None], gv.float(), torch.zeros((), device=dev)))
-            e = torch.zeros(E, len(cols), device=dev).index_copy_(0, inv, torch.stack(cols, dim=1))
+                g.index_add_(0, pos, torch.where(hit[:, None], gv, torch.zeros((), device=dev)))
+            e = torch.zeros(E, 3, device=dev).index_copy_(0, inv, torch.stack(per_lookup, dim=1))
             e = torch.cat([e, _max_abs(g)[:, None], self._sketch(g)], dim=1)
-        nd = len(cols)
         row = entry // n_steps
         # A looked-up row with an exactly zero gradient did not learn; a NaN gradient (NaN != 0) is a touch.
-        touched = e[:, nd] != 0
+        touched = e[:, 3] != 0
         if self.padding.numel():
             touched &= ~torch.isin(row, self.padding)
         row, e, count = row[touched], e[touched], count[touched].float()
         E = row.numel()
         if E == 0:
             return
-        finite = torch.isfinite(e[:, 0]) & torch.isfinite(e[:, nd])
-        fin = finite.float()
-        delta = torch.nan_to_num(e[:, 1], nan=0.0, posinf=0.0, neginf=0.0)
-        gs = torch.where(finite[:, None], e[:, nd + 1:], torch.zeros((), device=dev))
+        # From here on, one row per quantity and one column per entry: element-wise operations between a
+        # quantity and a per-entry scalar then broadcast along the contiguous dimension (5x faster on CPU).
+        e = e.t().contiguous()
         rows, seg, per_row = torch.unique_consecutive(row, return_inverse=True, return_counts=True)
         end = per_row.cumsum(0) - 1
         start = (end - per_row + 1).index_select(0, seg)  # per entry: where its row's run starts
         at = torch.arange(E, device=dev)
-        first = at == start
+        first = (at == start).float()
         old = self._state.index_select(0, rows)
-        old_e = old.index_select(0, seg)
+        old_e = old.index_select(0, seg).t()
 
+        finite = torch.isfinite(e[0]) & torch.isfinite(e[3])
+        fin = finite.float()
         cum = fin.cumsum(0)
-        t = old_e[:, 0] + cum - (cum - fin).index_select(0, start)  # a non-finite step keeps the row's statistics
+        t = old_e[0] + cum - (cum - fin).index_select(0, start)  # a non-finite step keeps the row's statistics
         inv_t = 1.0 / t.clamp_min(1.0)
         # Running means until a row has 1/alpha observations, EMAs after, so that a rarely touched row is
         # not dominated by its first values.
@@ -290,40 +302,41 @@ class TableState:
         a_pair = (1.0 / (t - 2).clamp_min(1.0)).clamp_min(SLOW_ALPHA) * (fin * (t >= 3))
         warm = t - 1.0 / EMA_ALPHA  # ||mean||^2 over the fast window, averaged once the window is full
         a_mean = (1.0 / warm.clamp_min(1.0)).clamp_min(SLOW_ALPHA) * (fin * (warm >= 1))
+        gs = torch.nan_to_num(e[4:] * fin, nan=0.0, posinf=0.0, neginf=0.0)
         # Direction consistency: the correlation of the row's successive gradient steps around their recent
         # mean (lag-1 autocorrelation of the innovations g_t - mean_{t-1}, as an EMA of inner products over
         # an EMA of norm products: a magnitude-weighted mean cosine in [-1, 1]). Centred, so that a trend
         # common to successive steps (a row still drifting towards its optimum) does not hide the reversals;
         # on gradients, not the optimizer's deltas, since momentum (Adam's beta1 = 0.9) averages successive
         # gradients and its deltas agree even when every gradient reverses the last one.
-        old_m, old_prev = old_e[:, 8:8 + k], old_e[:, 8 + k:]
-        m = _ema_scan(a_fast[:, None], gs, old_m, first, n_steps)
-        m_before = torch.where(first[:, None], old_m, torch.roll(m, 1, dims=0))
+        old_m, old_prev = old_e[8:8 + k], old_e[8 + k:]
+        m = _ema_scan(a_fast[None], gs, old_m, first, n_steps)
+        m_before = torch.roll(m, 1, dims=1) * (1.0 - first) + old_m * first
         inno = gs - m_before
         # The previous innovation: that of the row's last finite touch before this one, else the stored one.
         last_fin = torch.cummax(torch.where(finite, at, torch.full_like(at, -1)), dim=0).values
         last_before = torch.roll(last_fin, 1, dims=0)
-        has_prev = ~first & (last_before >= start)
-        prev = torch.where(has_prev[:, None], inno.index_select(0, last_before.clamp_min(0)), old_prev)
-        gn2 = gs.pow(2).sum(dim=1)
+        has_prev = ((last_before >= start) & (first == 0)).float()
+        prev = inno.index_select(1, last_before.clamp_min(0)) * has_prev + old_prev * (1.0 - has_prev)
+        gn2 = gs.pow(2).sum(dim=0)
         targets = torch.stack([
-            delta,
-            (inno * prev).sum(dim=1),
-            inno.norm(dim=1) * prev.norm(dim=1),
+            torch.nan_to_num(e[1], nan=0.0, posinf=0.0, neginf=0.0),
+            (inno * prev).sum(dim=0),
+            (inno.pow(2).sum(dim=0) * prev.pow(2).sum(dim=0)).sqrt(),
             gn2,
-            m.pow(2).sum(dim=1),
+            m.pow(2).sum(dim=0),
             # Energy per lookup: a step's gradient sums one term per lookup, so ||g||^2 / lookups is what a
             # row's data says each time, comparable between popular and rare rows.
             gn2 / count,
-        ], dim=1)
-        a_vel = a_fast if has_delta is None else a_fast * e[:, 2]
-        rates = torch.stack([a_vel, a_pair, a_pair, a_slow, a_mean, a_slow], dim=1)
-        stats = _ema_scan(rates, targets, old_e[:, 1:7], first, n_steps)
+        ])
+        rates = torch.stack([a_fast * e[2], a_pair, a_pair, a_slow, a_mean, a_slow])
+        stats = _ema_scan(rates, targets, old_e[1:7], first, n_steps)
         last_fin_row = last_fin.index_select(0, end)
-        prev_row = torch.where((last_fin_row >= start.index_select(0, end))[:, None],
-                               inno.index_select(0, last_fin_row.clamp_min(0)), old[:, 8 + k:])
-        new = torch.cat([t.index_select(0, end)[:, None], stats.index_select(0, end),
-                         1.0 - fin.index_select(0, end)[:, None], m.index_select(0, end), prev_row], dim=1)
+        has_last = (last_fin_row >= start.index_select(0, end))[:, None]
+        prev_row = torch.where(has_last, inno.index_select(1, last_fin_row.clamp_min(0)).t(), old[:, 8 + k:])
+        new = torch.cat([t.index_select(0, end)[:, None], stats.index_select(1, end).t(),
+                         1.0 - fin.index_select(0, end)[:, None], m.index_select(1, end).t(), prev_row], dim=1)
+        self.counts += _counts(new) - _counts(old)
         self._state.index_copy_(0, rows, new)
         self.window.append(rows)
         if len(self.window) > 64:  # bounded, however long the report interval
@@ -414,10 +427,7 @@ class TableState:
         self._refill_dead(k)
 
         bad = w.index_select(0, self.nonfinite_ids)
-        bad_rows = self.state[:, 7] > 0  # a few O(rows) comparisons per report: cheap next to a top-k
-        touched_count = (self.touches > 0).sum()
-        nonfinite_count = bad_rows.sum()
-        eligible_count = ((self.touches >= MIN_TOUCHES) & ~bad_rows).sum()
+        touched_count, nonfinite_count, eligible_count = self.counts.unbind()  # kept by flush(): no O(rows) pass
         untouched_bad = (self.touches.index_select(0, self.nonfinite_ids) == 0).sum()
         pad = self.padding.numel()
         never = R - touched_count - untouched_bad - pad
@@ -483,29 +493,34 @@ class TableState:
         return rank, cos, torch.tensor(float(m), device=dev)
 
 
+def _counts(state_rows: torch.Tensor) -> torch.Tensor:
+    """How many of these rows were updated at least once, are non-finite, are eligible."""
+    t, bad = state_rows[:, 0], state_rows[:, 7] > 0
+    return torch.stack([(t > 0).sum(), bad.sum(), ((t >= MIN_TOUCHES) & ~bad).sum()])
+
+
 def _max_abs(x: torch.Tensor) -> torch.Tensor:
     """Per row: the largest |element|, NaN when the row holds a NaN, inf when it holds an inf."""
     return x.abs().amax(dim=1)
 
 
 def _ema_scan(rate: torch.Tensor, y: torch.Tensor, x0: torch.Tensor, first: torch.Tensor, n_steps: int) -> torch.Tensor:
-    """Every x_j of x_j = (1 - rate_j) x_{j-1} + rate_j y_j along each row's run of consecutive entries,
-    starting from x0 (given per entry; read at a run's first entry); a run (one row's touches) is at most
-    n_steps long. An inclusive Hillis-Steele scan over the affine maps x -> c x + b: ceil(log2(n_steps))
-    rounds of four element-wise operations. The row's stored value is folded into its first entry,
-    whose map becomes constant (c = 0), so a combination that reaches into the previous row multiplies
-    it by 0: no segment masks are needed, given finite values. The same products as the step-by-step
-    update, in another order."""
-    c = 1.0 - rate
-    b = torch.where(first[:, None], c * x0 + rate * y, rate * y)
+    """Every x_j of x_j = (1 - rate_j) x_{j-1} + rate_j y_j along each row's run of consecutive entries
+    (one column per entry), starting from x0 (given per entry; read at a run's first entry, where
+    ``first`` is 1); a run (one row's touches) is at most n_steps long. An inclusive Hillis-Steele scan
+    over the affine maps x -> c x + b: ceil(log2(n_steps)) rounds of three element-wise operations. The
+    row's stored value is folded into its first entry, whose map becomes constant (c = 0), so that a
+    combination reaching into the previous row multiplies it by 0: no segment masks, given finite
+    values. The same products as the step-by-step update, in another order."""
+    c = (1.0 - rate) * (1.0 - first)
+    b = rate * y + (1.0 - rate) * first * x0
     b = torch.nan_to_num(b, nan=0.0, posinf=1e30, neginf=-1e30)  # finite, so that 0 * b is 0
-    c = torch.where(first[:, None], torch.zeros((), device=c.device), c)
     d = 1
     while d < n_steps:
-        b[d:] += c[d:] * b[:-d]
+        b[:, d:] += c[:, d:] * b[:, :-d]
+        if 2 * d < n_steps:
+            c[:, d:] = c[:, d:] * c[:, :-d]
         d *= 2
-        if d < n_steps:
-            c[d // 2:] = c[d // 2:] * c[:-(d // 2)]
     return b
 
 
@@ -610,10 +625,11 @@ class Embeddings(Collection):
             for t in self.tables:
                 t.gather()
                 t.update(step, with_delta=False)
-        if not self.reports(step):
+        if any(t.flush_due() for t in self.tables) or self.reports(step):
+            entries: dict = {}  # tables looked up with the same indices sort them once
             for t in self.tables:
-                if t.flush_due():
-                    t.flush()
+                t.flush(entries)
+        if not self.reports(step):
             return []
         names, parts, plans = [], [], []
         for t in self.tables:
