@@ -24,12 +24,15 @@ When it runs. Temporal statistics need consecutive touches of a row, which a sam
 cannot give (a row touched once per epoch would be seen once per 50 epochs). So the collection
 *tracks* every ``track_every``-th step (1 by default) with one-shot hooks armed like any other
 collection's, and *reports* (one host copy, one event) only every ``interval`` steps. A tracked step
-costs O(rows touched x dim): the looked-up indices come from a forward hook, the gradient rows are
-gathered at those indices (or read from the sparse gradient), and the rows' values are gathered
-before and after the optimizer step. There is no host sync on a tracked step. A report costs
-O(rows touched since the last report + TOP_ROWS + SAMPLE_ROWS): counters are kept as rows change,
-the worst-row lists are re-ranked over the rows that changed plus the previous lists, and medians
-and the collapse statistics come from a fixed random sample of rows.
+does no arithmetic: the looked-up indices come from a forward hook, and three copies are queued (the
+gradient rows at those indices, or the sparse gradient's entries; the rows before and after the
+optimizer step): O(lookups x width), no host sync, never a pass over the table. The queue is folded
+into the statistics at each report, or after ``FLUSH_STEPS`` steps or ``FLUSH_VALUES`` queued values:
+one sort of the queued (row, step) pairs, then a fixed number of vectorised operations that apply the
+steps in order (TableState.flush). A report costs O(rows touched since the last report + TOP_ROWS +
+SAMPLE_ROWS): counters are kept as rows change, the worst-row lists are re-ranked over the rows that
+changed plus the previous lists, and medians and the collapse statistics come from a fixed random
+sample of rows.
 
 A row counts as touched when the model looked it up *and* its gradient row is non-zero: a whole-table
 L2 penalty in the loss gives every row a gradient, but only rows the model looked up are touched, so
