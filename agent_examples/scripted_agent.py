@@ -122,14 +122,16 @@ async def _apply_first(client: Client, run: str, live: list[dict], out: Outcome,
             continue
         applied = await call(client, "apply_fix", run=run, fix_id=fix["id"])
         note(f"apply_fix {fix['id']} ({fix['action']} {fix['params']}): {applied['status']}")
+        if fix["action"] in GUARDS:
+            # Sent right behind the guard, both ride on the same reply to the job, which applies them in order
+            # at one step boundary: the restored state never meets an unguarded step.
+            done |= await _undo_damage(client, run, fix, live, note, verdict_timeout, poll)
         status = await _wait_status(client, run, fix["id"], {"applied", *FINAL}, verdict_timeout, poll)
         if status["status"] in ("rejected", "failed", "expired"):
             note(f"  {fix['id']} {status['status']}: {status['reason']}; trying the next proposal")
             continue
         out.applied_at = time.monotonic()
         note(f"  {fix['id']} applied at step {status['applied_step']}: {status['before']} -> {status['after']}")
-        if fix["action"] in GUARDS:
-            done |= await _undo_damage(client, run, fix, live, note, verdict_timeout, poll)
         status = await _wait_status(client, run, fix["id"], FINAL, verdict_timeout, poll)
         out.fix, out.verdict = status, status["status"]
         note(f"  verdict: {status['status']} ({status['reason']})")
@@ -154,13 +156,13 @@ GUARDS = {"grad_clip", "skip_nonfinite"}
 
 async def _undo_damage(client: Client, run: str, guard: dict, live: list[dict], note: Callable[[str], None],
                        timeout: float, poll: float) -> set[str]:
-    """Once a guard is on, apply the rollback proposed for the same anomaly, if any; a rejected one (no
-    snapshot from before the damage) leaves the guard alone."""
+    """With a guard, apply the rollback proposed for the same anomaly, if any; a rejected one (no snapshot
+    from before the damage) leaves the guard alone."""
     roll = next((f for f in live if f["action"] == "rollback" and f["rank"] > guard["rank"]), None)
     if roll is None:
         return set()
     await call(client, "apply_fix", run=run, fix_id=roll["id"])
-    note(f"  the guard is on; undoing the damage done before it: apply_fix {roll['id']} (rollback {roll['params']})")
+    note(f"  undoing the damage done before the guard: apply_fix {roll['id']} (rollback {roll['params']})")
     status = await _wait_status(client, run, roll["id"], {"applied", *FINAL}, timeout, poll)
     note(f"  {roll['id']} {status['status']}: " + (f"{status['before']} -> {status['after']}"
                                                     if status["status"] not in ("rejected", "failed", "expired")
