@@ -277,10 +277,24 @@ def oscillating_loss(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
 LEARNED_LITTLE = 0.3
 
 
+def _early_update_ratio(conn: sqlite3.Connection, run: str, samples: int = 2) -> float | None:
+    """Median, over the run's first sampled steps, of the median update/weight ratio of the weight matrices:
+    the step size at the state a rollback to the start returns to."""
+    rows = conn.execute("SELECT step, tensor, update_ratio FROM stats WHERE run=? AND collection='updates' AND "
+                        "update_ratio IS NOT NULL AND step IN (SELECT DISTINCT step FROM stats WHERE run=? AND "
+                        "collection='updates' ORDER BY step LIMIT ?)", (run, run, samples)).fetchall()
+    by_step: dict[int, list[float]] = {}
+    for step, tensor, ratio in rows:
+        if tensor.endswith("weight") and ratio > 0:
+            by_step.setdefault(step, []).append(ratio)
+    per_step = [median(v) for v in by_step.values()]
+    return median(per_step) if per_step else None
+
+
 def _restart_at_lower_lr(conn: sqlite3.Connection, a: Anomaly, cut: Candidate) -> Candidate | None:
     """A run that has swung at the same rate since its start, and learned little, has nothing worth keeping
     and may carry damage a rate cut does not undo (ReLU units killed by the first large steps stay dead):
-    go back to its first snapshot with the cut rate, as a restart would, without a restart."""
+    go back to its first snapshot (step 0) with a lower rate, as a restart would, without a restart."""
     prev, now, _ = _lr_history(conn, a.run, a.last_step)
     initial = _num(a.evidence, "initial")
     if cut.action != FixAction.lr_scale or prev is not None or not now or not initial:
@@ -290,17 +304,25 @@ def _restart_at_lower_lr(conn: sqlite3.Connection, a: Anomaly, cut: Candidate) -
     recent = median([r[0] for r in row]) if row else None
     if recent is None or recent < LEARNED_LITTLE * initial:
         return None
-    # Units that died while the loss swung died of it: go back to before the first of them.
-    first = conn.execute("SELECT min(first_step) FROM anomalies WHERE run=? AND kind IN ('dead_relu', "
-                         "'oscillating_loss') AND first_step <= ?", (a.run, a.last_step)).fetchone()[0]
-    before = min(a.first_step, first if first is not None else a.first_step)
-    lr = _g(now * cut.params["factor"])
-    return Candidate(FixAction.rollback, {"before_step": before, "lr": lr},
+    # The rate for the new start, from the step sizes of the first samples (the update ratio is proportional
+    # to the rate: at 0.1 and 0.01 the repair suite's MLP moves 0.16-0.18 and 0.011-0.012 per step over its
+    # first 10 steps, seeds 0-2: measurement here). The swings are not: far from stable they grow faster than
+    # the rate, and the swing-based factor can cut 100x where 10x is right (seed 2 of the suite).
+    ratio = _early_update_ratio(conn, a.run)
+    if ratio:
+        factor = _g(min(max(HEALTHY_UPDATE_RATIO / ratio, MIN_LR_FACTOR), MAX_LR_CUT))
+        basis = (f"at the start the weights moved by a median {ratio:.2g} of their size per step, against "
+                 f"~{HEALTHY_UPDATE_RATIO:g} in healthy runs: the rate is cut {factor:g}x")
+    else:
+        factor = cut.params["factor"]
+        basis = f"the rate is cut {factor:g}x, as the swings suggest"
+    lr = _g(now * factor)
+    return Candidate(FixAction.rollback, {"before_step": 1, "lr": lr},
                      f"The learning rate has been {now:.3g} since the start and the loss is still {recent:.3g}, "
                      f"{recent / initial:.0%} of its initial {initial:.3g}: the run has learned little, and the "
-                     f"large steps may have done damage a rate cut leaves in place (dead units). Roll back to the "
-                     f"newest snapshot from before step {before} (the job keeps its first one) with the rate cut to "
-                     f"{lr:g}, as a restart at that rate would, without restarting.",
+                     "large steps may have done damage a rate cut leaves in place (dead units). Roll back to the "
+                     f"snapshot of step 0 (the job keeps its first one) with a lower rate; {basis}, to {lr:g}. That "
+                     "is what a restart at that rate would do, without restarting.",
                      "The loss descends from the start at the lower rate; the steps since the snapshot are lost, and "
                      "they taught the model little. Rejected if the job keeps no snapshot from then: apply the rate "
                      "cut instead.", "medium")

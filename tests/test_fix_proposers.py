@@ -137,17 +137,21 @@ def test_oscillating_loss_scales_the_rate_by_what_the_swings_support(store):
     assert top.risk == "medium" and top.expected_effect
 
 
-def test_oscillation_since_the_start_rolls_back_to_before_the_units_died_with_the_rate_cut(store):
+def test_oscillation_since_the_start_rolls_back_to_the_start_with_the_rate_cut(store):
     _run(store, lr=0.1)
     _series(store, "lr/group0", [(s, 0.1) for s in range(0, 130, 10)])
     _series(store, "loss", [(s, 5.0 + (s % 2)) for s in range(0, 130)])  # still ~80% of the initial 6.9
     dead = _anomaly(store, "dead_relu", {"dead_frac": 1.0, "layers": ["3"]}, first_step=20, last_step=120)
     osc = _anomaly(store, "oscillating_loss", {"median_jump": 3.5, "initial": 6.93}, first_step=37, last_step=90)
     roll, cut = _propose(store, osc)[:2]
-    assert (roll.action.value, roll.params) == ("rollback", {"before_step": 20, "lr": 0.0099})  # 0.1 * 0.099
+    assert (roll.action.value, roll.params) == ("rollback", {"before_step": 1, "lr": 0.0099})  # 0.1 * 0.099
     assert (cut.action.value, cut.params) == ("lr_scale", {"factor": 0.099})  # without a snapshot from then
     # The dead units' own proposals put the same rollback first: it revives them along with the rate cut.
     assert _propose(store, dead)[0].params == roll.params
+    # The step sizes at the start set the new rate, when the job measured them: 0.16 -> 1e-2 is a 16x cut.
+    _updates(store, 0.16, steps=(0, 10))
+    _updates(store, 0.04, steps=(20, 30, 40))
+    assert _propose(store, osc)[0].params == {"before_step": 1, "lr": 0.00625}
 
 
 def test_oscillation_after_real_progress_cuts_the_rate_in_place(store):
