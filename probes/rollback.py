@@ -156,8 +156,9 @@ class RollbackBuffer:
         if self.first is not None and self.first.step > step:
             self.first = None
         if self.best is not None and self.best.step > step:
-            self.best = max((s for s in self.kept() if s.step <= step), key=lambda s: (-(s.loss or 0), s.step),
-                            default=None)
+            # The lowest loss among what is left, the newest on a tie; a snapshot without a loss never wins.
+            self.best = max((s for s in self.kept() if s.step <= step),
+                            key=lambda s: (-(s.loss if s.loss is not None else math.inf), s.step), default=None)
 
     def restore(self, snap: Snapshot, *, settings: bool = False) -> None:
         """Load ``snap``. The optimizer's hyperparameters stay as they are now unless ``settings``, which
