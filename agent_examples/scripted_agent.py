@@ -116,9 +116,16 @@ async def triage(client: Client, run: str, *, timeout: float = 60.0, poll: float
 async def _apply_first(client: Client, run: str, live: list[dict], out: Outcome, note: Callable[[str], None],
                        verdict_timeout: float, poll: float) -> None:
     """Apply the first proposal the job accepts; wait for the verdict; revert if the server says so."""
+    done: set[str] = set()  # a rollback applied after a guard is not applied again as the next proposal
     for fix in live:
+        if fix["id"] in done:
+            continue
         applied = await call(client, "apply_fix", run=run, fix_id=fix["id"])
         note(f"apply_fix {fix['id']} ({fix['action']} {fix['params']}): {applied['status']}")
+        if fix["action"] in GUARDS:
+            # Sent right behind the guard, both ride on the same reply to the job, which applies them in order
+            # at one step boundary: the restored state never meets an unguarded step.
+            done |= await _undo_damage(client, run, fix, live, note, verdict_timeout, poll)
         status = await _wait_status(client, run, fix["id"], {"applied", *FINAL}, verdict_timeout, poll)
         if status["status"] in ("rejected", "failed", "expired"):
             note(f"  {fix['id']} {status['status']}: {status['reason']}; trying the next proposal")
@@ -139,6 +146,28 @@ async def _apply_first(client: Client, run: str, live: list[dict], out: Outcome,
         if status["status"] != "ineffective":
             return
         note("  trying the next proposal")
+
+
+# Actions that stop further damage from now on but leave what was done: a rollback proposed with them
+# undoes that, and they stay in force through it (a rollback restores weights and optimizer state, not
+# the job's hooks).
+GUARDS = {"grad_clip", "skip_nonfinite"}
+
+
+async def _undo_damage(client: Client, run: str, guard: dict, live: list[dict], note: Callable[[str], None],
+                       timeout: float, poll: float) -> set[str]:
+    """With a guard, apply the rollback proposed for the same anomaly, if any; a rejected one (no snapshot
+    from before the damage) leaves the guard alone."""
+    roll = next((f for f in live if f["action"] == "rollback" and f["rank"] > guard["rank"]), None)
+    if roll is None:
+        return set()
+    await call(client, "apply_fix", run=run, fix_id=roll["id"])
+    note(f"  undoing the damage done before the guard: apply_fix {roll['id']} (rollback {roll['params']})")
+    status = await _wait_status(client, run, roll["id"], {"applied", *FINAL}, timeout, poll)
+    note(f"  {roll['id']} {status['status']}: " + (f"{status['before']} -> {status['after']}"
+                                                    if status["status"] not in ("rejected", "failed", "expired")
+                                                    else str(status["reason"])))
+    return {roll["id"]}
 
 
 async def _wait_status(client: Client, run: str, fix_id: str, until: set[str], timeout: float, poll: float) -> dict:

@@ -85,8 +85,11 @@ def _fixed_run(url: str, spool: str, fault: str, run: str, poll: float, **kw) ->
     except subprocess.TimeoutExpired:  # still waiting for a verdict: the job has ended, so there is none
         agent.terminate()
         log = agent.communicate()[0].decode()
-    fixes = httpx.get(f"{url}/v1/runs/{run}/fixes").json()["fixes"]
-    fix = next((f for f in fixes if f["applied_step"] is not None), {})
+    fixes = httpx.get(f"{url}/v1/runs/{run}/fixes", headers=_auth()).json()["fixes"]
+    applied = sorted((f for f in fixes if f["applied_step"] is not None), key=lambda f: f["applied_step"])
+    fix = dict(applied[0]) if applied else {}
+    if len(applied) > 1:  # a guard and the rollback after it, or the next proposal after an ineffective one
+        fix["also"] = [f"{f['action']} {f['params']} ({f['status']})" for f in applied[1:]]
     anomaly = _anomaly(url, run, fix["anomaly_id"]) if fix.get("anomaly_id") else None
     return result, fix, anomaly, log
 
@@ -131,7 +134,8 @@ def main() -> None:
                 row.unfixed.append(unfixed.final_loss)
                 row.fixed.append(fixed.final_loss)
                 row.time_ratio.append(fixed.wall / healthy.wall)
-                row.actions.append(f"{fix.get('action', '-')} {fix.get('params', '')}".strip())
+                row.actions.append(f"{fix.get('action', '-')} {fix.get('params', '')}".strip()
+                                   + "".join(f" + {a}" for a in fix.get("also", [])))
                 row.verdicts.append(fix.get("status", "-"))
                 if anomaly is not None:
                     row.anomalies.append(anomaly["kind"])
@@ -162,8 +166,13 @@ def main() -> None:
           f"{statistics.median(_med(r.time_ratio) for r in rows.values()):.2f}x (target: >= 90% within 1.2x)")
 
 
+def _auth() -> dict[str, str]:
+    """The server needs its token on every route (docs/security.md); start_server put it in TRAINDX_TOKEN."""
+    return {"authorization": f"Bearer {os.environ['TRAINDX_TOKEN']}"}
+
+
 def _anomaly(url: str, run: str, anomaly_id: str) -> dict | None:
-    page = httpx.get(f"{url}/v1/runs/{run}/anomalies", params={"limit": 200}).json()
+    page = httpx.get(f"{url}/v1/runs/{run}/anomalies", params={"limit": 200}, headers=_auth()).json()
     return next((a for a in page.get("anomalies", []) if a["id"] == anomaly_id), None)
 
 

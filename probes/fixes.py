@@ -175,9 +175,53 @@ def grad_clip(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Appli
         value = _number(params, "clip_value", bounds.get("min_value", 1e-8), bounds.get("max_value", 1e6))
         undo = _step_pre_hook(t, fix_id, lambda: torch.nn.utils.clip_grad_value_(ps, value))
         return Applied({"clip_value": None}, {"clip_value": value}, undo)
+    if "relative" in params:
+        factor = _number(params, "relative", bounds.get("min_relative", 0.1), bounds.get("max_relative", 100.0))
+        window = int(_number(params, "window", 1, 100_000)) if "window" in params else RELATIVE_CLIP_WINDOW
+        cap = (_number(params, "max_norm", bounds.get("min_norm", 1e-8), bounds.get("max_norm", 1e6))
+               if "max_norm" in params else None)
+        undo = _step_pre_hook(t, fix_id, _relative_clip(ps, factor, window, cap))
+        return Applied({"max_norm": None}, {"relative": factor, "window": window, "max_norm": cap}, undo)
     max_norm = _number(params, "max_norm", bounds.get("min_norm", 1e-8), bounds.get("max_norm", 1e6))
     undo = _step_pre_hook(t, fix_id, lambda: torch.nn.utils.clip_grad_norm_(ps, max_norm))
     return Applied({"max_norm": None}, {"max_norm": max_norm}, undo)
+
+
+# Steps of gradient-norm history a relative clip compares with: long enough that a spike every few steps
+# leaves the median alone, short enough to follow the norm down as training converges (the repair suite's
+# healthy norm falls by a third between steps 100-150 and the last 50 of 800: measurement here).
+RELATIVE_CLIP_WINDOW = 100
+
+
+def _relative_clip(ps: list[torch.nn.Parameter], factor: float, window: int, cap: float | None) -> Callable[[], None]:
+    """Clip the global gradient norm at ``factor`` x the median of the last ``window`` steps' norms (before
+    clipping), and at ``cap`` when given (until the history says more, the first steps have only that).
+    After AutoClip (Seetharaman et al., MLSP 2020), which clips at a low percentile of the norms seen so far:
+    a fixed threshold set from early training lets spikes through once the gradients have shrunk. No host
+    sync: the history is a tensor on the gradients' device."""
+    history: list[torch.Tensor | None] = [None]
+    seen = [0]
+
+    def clip() -> None:
+        grads = [p.grad for p in ps if p.grad is not None]
+        if not grads:
+            return
+        device = grads[0].device
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), 2.0).to(device)
+                                                     for g in grads]), 2.0)
+        if history[0] is None:
+            history[0] = torch.zeros(window, device=device, dtype=norm.dtype)
+        ring = history[0]
+        ring[seen[0] % window] = norm
+        seen[0] += 1
+        limit = factor * torch.nanmedian(ring[:min(seen[0], window)])
+        if cap is not None:
+            limit = limit.clamp(max=cap)
+        coef = (limit / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.detach().mul_(coef.to(g.device))
+
+    return clip
 
 
 def skip_nonfinite(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
@@ -277,9 +321,10 @@ def unfreeze(t: Target, params: Mapping, bounds: Mapping) -> Applied:
 
 
 def rollback(t: Target, params: Mapping, bounds: Mapping) -> Applied:
-    """Restore the newest good snapshot (taken before ``before_step`` when given): the model's weights and
-    buffers and the optimizer's state, keeping its current hyperparameters (``settings=true``: those of the
-    snapshot too; with ``lr``, then that learning rate for every group). Training goes on with the next batch, so the batches since the snapshot (the one that
+    """Restore the newest good snapshot (taken before ``before_step`` when given, and not before ``min_step``
+    when given): the model's weights and buffers and the optimizer's state, keeping its current
+    hyperparameters (``settings=true``: those of the snapshot too; with ``lr``, then that learning rate for
+    every group). Training goes on with the next batch, so the batches since the snapshot (the one that
     broke the run among them) are skipped."""
     buf = getattr(t.probe, "_rollback", None)
     if buf is None:
@@ -289,11 +334,16 @@ def rollback(t: Target, params: Mapping, bounds: Mapping) -> Applied:
     if before_step is not None:
         before_step = int(_number(params, "before_step", 0, 2**53))
     snap = buf.latest(before_step)
-    kept = [s.step for s in buf.snapshots]
+    kept = [s.step for s in buf.kept()]
     if snap is None:
         raise FixRejected("no good snapshot" + (f" from before step {before_step}" if before_step is not None else "")
                           + f" is kept (kept: steps {kept or 'none'}; one is taken every {buf.every} steps "
                           "when the loss and weights are finite)")
+    min_step = params.get("min_step")
+    if min_step is not None and snap.step < int(_number(params, "min_step", 0, 2**53)):
+        raise FixRejected(f"the newest snapshot from before step {before_step} is from step {snap.step}, older than "
+                          f"step {int(min_step)}: rolling back that far would lose more than it saves (kept: steps "
+                          f"{kept})")
     max_back = bounds.get("max_steps_back")
     now = t.probe.step_count
     if isinstance(max_back, (int, float)) and now - snap.step > max_back:
@@ -308,8 +358,7 @@ def rollback(t: Target, params: Mapping, bounds: Mapping) -> Applied:
     if new_lr is not None and t.optimizer is not None:
         _set_lrs(t.optimizer, {i: new_lr for i in range(len(t.optimizer.param_groups))})
     # Newer snapshots hold the state just abandoned: a second rollback must not return to it.
-    while buf.snapshots and buf.snapshots[-1].step > snap.step:
-        buf.snapshots.pop()
+    buf.drop_after(snap.step)
     lr_after = [float(g["lr"]) for g in t.optimizer.param_groups] if t.optimizer is not None else []
     return Applied({"step": now, "snapshots": kept, "lr": lr_now},
                    {"restored_step": snap.step, "skipped_steps": now - snap.step, "snapshot_loss": snap.loss,

@@ -2,13 +2,19 @@
 
 A job opts in by allowing the action with a period: ``probes.attach(..., allow={"rollback": {"every": 25}})``.
 Every ``every`` steps, at the step boundary, the probe checks that the step's loss and every weight are
-finite (one host sync) and, if so, copies the model's and optimizer's state to host memory. At most
-``keep`` (default 2) good snapshots are kept, the oldest dropped first; a step whose loss or weights are
-not finite is never kept, so after a NaN the last good snapshot stays the one from before it.
+finite (one host sync) and, if so, copies the model's and optimizer's state to host memory. The
+``keep`` (default 2) newest good snapshots are kept, the oldest dropped first; a step whose loss or weights
+are not finite is never kept, so after a NaN the last good snapshot stays the one from before it.
 
-Cost, paid only by jobs that allow rollback: ``keep`` copies of the parameters, buffers and optimizer
-state (SGD with momentum: 2x the parameters; Adam: 3x) in host memory, and on each snapshot step one
-device->host copy of that state plus one sync. Nothing happens on the other steps.
+Two older states are kept besides them, since the newest ones hold the damage of a fault that went on
+for longer than ``keep * every`` steps before anyone acted: the first good snapshot (the state before a
+fault that was there from the start, a learning rate 10x too high, say) and the one with the lowest loss
+(the state before a fault that came later and kept hurting, batches with corrupt labels, say).
+
+Cost, paid only by jobs that allow rollback: at most ``keep + 2`` copies of the parameters, buffers and
+optimizer state (SGD with momentum: 2x the parameters; Adam: 3x) in host memory (the first and the best
+are often among the newest, and are then not copied twice), and on each snapshot step one device->host
+copy of that state plus one sync. Nothing happens on the other steps.
 """
 
 from __future__ import annotations
@@ -72,7 +78,9 @@ class RollbackBuffer:
         if not 1 <= keep <= MAX_KEEP:
             raise ValueError(f"rollback 'keep' must be 1..{MAX_KEEP}, got {keep!r}")
         self.model, self.optimizer, self.every = model, optimizer, every
-        self.snapshots: deque[Snapshot] = deque(maxlen=keep)
+        self.snapshots: deque[Snapshot] = deque(maxlen=keep)  # the newest
+        self.first: Snapshot | None = None  # the first good one: from before a fault present from the start
+        self.best: Snapshot | None = None  # the lowest loss: from before a fault that came later
         self.refused = 0  # snapshot steps whose state was not finite, or diverged
         self._diverged = 0  # refusals in a row for divergence
 
@@ -121,15 +129,36 @@ class RollbackBuffer:
         self._diverged = 0
         model_state = _to_host(self.model.state_dict())
         opt_state = _to_host(self.optimizer.state_dict()) if self.optimizer is not None else None
-        self.snapshots.append(Snapshot(step, loss_value, model_state, opt_state,
-                                       _nbytes(model_state) + _nbytes(opt_state)))
+        snap = Snapshot(step, loss_value, model_state, opt_state, _nbytes(model_state) + _nbytes(opt_state))
+        self.snapshots.append(snap)
+        if self.first is None:
+            self.first = snap
+        # The newest on a tie: a plateau's latest state is as good and has learned more.
+        if self.best is None or (loss_value is not None and (self.best.loss is None or loss_value <= self.best.loss)):
+            self.best = snap
         return True
 
+    def kept(self) -> list[Snapshot]:
+        """Every snapshot kept, oldest first: the newest ones, the first and the best."""
+        by_step = {s.step: s for s in (self.first, self.best, *self.snapshots) if s is not None}
+        return [by_step[k] for k in sorted(by_step)]
+
     def latest(self, before_step: int | None = None) -> Snapshot | None:
-        for snap in reversed(self.snapshots):
+        for snap in reversed(self.kept()):
             if before_step is None or snap.step < before_step:
                 return snap
         return None
+
+    def drop_after(self, step: int) -> None:
+        """Forget the snapshots newer than ``step`` (after a rollback to it: they hold the state abandoned)."""
+        while self.snapshots and self.snapshots[-1].step > step:
+            self.snapshots.pop()
+        if self.first is not None and self.first.step > step:
+            self.first = None
+        if self.best is not None and self.best.step > step:
+            # The lowest loss among what is left, the newest on a tie; a snapshot without a loss never wins.
+            self.best = max((s for s in self.kept() if s.step <= step),
+                            key=lambda s: (-(s.loss if s.loss is not None else math.inf), s.step), default=None)
 
     def restore(self, snap: Snapshot, *, settings: bool = False) -> None:
         """Load ``snap``. The optimizer's hyperparameters stay as they are now unless ``settings``, which
@@ -151,4 +180,4 @@ class RollbackBuffer:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.snapshots)
+        return sum(s.nbytes for s in self.kept())

@@ -137,6 +137,50 @@ def test_oscillating_loss_scales_the_rate_by_what_the_swings_support(store):
     assert top.risk == "medium" and top.expected_effect
 
 
+def test_oscillation_since_the_start_rolls_back_to_the_start_with_the_rate_cut(store):
+    _run(store, lr=0.1)
+    _series(store, "lr/group0", [(s, 0.1) for s in range(0, 130, 10)])
+    _series(store, "loss", [(s, 5.0 + (s % 2)) for s in range(0, 130)])  # still ~80% of the initial 6.9
+    dead = _anomaly(store, "dead_relu", {"dead_frac": 1.0, "layers": ["3"]}, first_step=20, last_step=120)
+    osc = _anomaly(store, "oscillating_loss", {"median_jump": 3.5, "initial": 6.93}, first_step=37, last_step=90)
+    roll, cut = _propose(store, osc)[:2]
+    assert (roll.action.value, roll.params) == ("rollback", {"before_step": 1, "lr": 0.0099})  # 0.1 * 0.099
+    assert (cut.action.value, cut.params) == ("lr_scale", {"factor": 0.099})  # without a snapshot from then
+    # The dead units' own proposals put the same rollback first: it revives them along with the rate cut.
+    assert _propose(store, dead)[0].params == roll.params
+    # The step sizes at the start set the new rate, when the job measured them: 0.16 -> 1e-2 is a 16x cut.
+    _updates(store, 0.16, steps=(0, 10))
+    _updates(store, 0.04, steps=(20, 30, 40))
+    assert _propose(store, osc)[0].params == {"before_step": 1, "lr": 0.00625}
+
+
+def test_oscillation_after_real_progress_cuts_the_rate_in_place(store):
+    _run(store, lr=0.1)
+    _series(store, "lr/group0", [(s, 0.1) for s in range(0, 130, 10)])
+    _series(store, "loss", [(s, 0.5 + 0.4 * (s % 2)) for s in range(0, 130)])  # far below the initial 6.9
+    osc = _anomaly(store, "oscillating_loss", {"median_jump": 0.4, "initial": 6.93}, first_step=100, last_step=120)
+    assert _propose(store, osc)[0].action.value == "lr_scale"  # a rollback would throw the progress away
+
+
+def _grad_norms(store, norms):
+    store.write(lambda conn: conn.executemany(
+        "INSERT INTO stats(run, step, collection, tensor, norm) VALUES (?,?,?,?,?)",
+        [(RUN, s, "gradients", "0.weight", n) for s, n in norms]))
+
+
+def test_recurring_gradient_spikes_get_a_clip_that_follows_the_norm_then_a_rollback(store):
+    _run(store)
+    _series(store, "lr/group0", [(s, 0.01) for s in range(0, 300, 10)])  # no rate change: not the cause
+    _grad_norms(store, [(s, 1.0) for s in range(0, 150, 10)])
+    a = _anomaly(store, "exploding_gradient", {"global_norm": 20.0, "healthy_median": 1.0, "ratio": 20.0},
+                 first_step=150, last_step=230)
+    clip, roll, cut, advice = _propose(store, a)
+    assert (clip.action.value, clip.params) == ("grad_clip", {"max_norm": 2.0, "relative": 1.0})
+    assert (roll.action.value, roll.params) == ("rollback", {"before_step": 150, "min_step": 75})
+    assert cut.action.value == "lr_scale"
+    assert not advice.live and "HuberLoss" in advice.params["instructions"]
+
+
 def test_loss_not_decreasing_raises_the_rate_to_a_healthy_update_ratio(store):
     _run(store, lr=1e-5)
     _updates(store, 2e-6)

@@ -122,12 +122,61 @@ def test_snapshot_is_bounded_and_on_the_host():
         opt.step()
         assert buf.keep(step, torch.tensor(1.0))
     assert [s.step for s in buf.snapshots] == [3, 4]
+    # Besides the two newest: the first (step 0); the best (equal losses: the newest) is one of them.
+    assert [s.step for s in buf.kept()] == [0, 3, 4]
     params = sum(p.numel() * 4 for p in model.parameters())
-    assert buf.nbytes == 2 * 2 * params  # weights + momentum, twice
-    assert all(t.device.type == "cpu" for s in buf.snapshots for t in s.model.values())
+    assert buf.nbytes == 3 * 2 * params  # weights + momentum, three times
+    assert all(t.device.type == "cpu" for s in buf.kept() for t in s.model.values())
     assert not buf.keep(5, torch.tensor(float("nan")))  # a non-finite loss is never a good snapshot
     with pytest.raises(ValueError):
         RollbackBuffer(model, opt, every=0)
+
+
+def test_snapshots_from_before_a_long_fault_outlive_the_newest():
+    """A fault that went on for longer than the newest snapshots cover: the first state and the best one
+    are still there to roll back to, and a rollback older than min_step is refused."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    buf = RollbackBuffer(model, opt, every=1, keep=2)
+    losses = [5.0, 2.0, 1.0, 0.5, 1.2, 1.4, 1.3, 1.2]  # learning until step 3, then damaged (< 3x: kept)
+    for step, loss in enumerate(losses):
+        buf.keep(step, loss)
+    assert [s.step for s in buf.kept()] == [0, 3, 6, 7]
+    assert buf.latest(before_step=6).step == 3  # the best, from before the damage
+    buf.drop_after(2)  # a rollback to step 2 forgets what came after it, the best included
+    assert [s.step for s in buf.kept()] == [0] and buf.best.step == 0
+
+
+def test_rollback_min_step_refuses_to_go_back_too_far():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sink = probes.MemorySink()
+    probe = _attach(model, opt, sink, {"rollback": {"every": 10}})
+    _train(model, opt, probe, sink, 40, commands={35: [_cmd("f-1", "rollback", before_step=25, min_step=22)],
+                                                   36: [_cmd("f-2", "rollback", before_step=25, min_step=15)]})
+    probe.close()
+    (refused,), (applied,) = _acks(sink, "f-1"), _acks(sink, "f-2")
+    assert refused["status"] == "rejected" and "older than step 22" in refused["reason"]
+    assert applied["status"] == "applied" and applied["after"]["restored_step"] == 20
+
+
+def test_relative_clip_follows_the_gradient_norm_down():
+    """A clip relative to the running median keeps a spike at the size of an ordinary step, also once the
+    ordinary steps are far below the cap; until there is a history, the cap holds."""
+    from probes.fixes import Target, apply
+
+    model = torch.nn.Linear(4, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    apply("grad_clip", Target(model, opt, None), {"relative": 1.0, "max_norm": 10.0, "window": 20}, {}, "f-1")
+    norms = []
+    for step in range(30):
+        spike = step % 10 == 0  # the first step too: no history yet
+        model.weight.grad = torch.full_like(model.weight, 100.0 if spike else 0.1)  # norm 200 or 0.2
+        opt.step()
+        norms.append(model.weight.grad.norm().item())
+    assert norms[0] == pytest.approx(10.0, rel=1e-3)  # only the cap to go by
+    assert norms[10] == pytest.approx(0.2, rel=1e-3) and norms[20] == pytest.approx(0.2, rel=1e-3)
+    assert norms[5] == pytest.approx(0.2, rel=1e-3)  # ordinary steps are left alone
 
 
 def _dead_model():
