@@ -54,6 +54,12 @@ SCENARIOS: dict[str, tuple[dict, Callable[[Any, str, Any], Awaitable[None]]]] = 
                          "kwargs": {"steps": 800, "fault_step": 300, "pace": 0.004}}, _triage),
     "nan_rolled_back": ({"name": "fault_job", "run": "session-nan-batch",
                          "kwargs": {"fault": "nan_batch", "steps": 600, "pace": 0.004}}, _triage_nan),
+    # A job that keeps no snapshots cannot roll back: the NaN batch has already poisoned the weights, so
+    # skipping non-finite steps and cutting the rate both leave the anomaly in place (ineffective), and
+    # the agent reverts each before trying the next; what is left (a clip, a rollback) the job refuses.
+    "ineffective_reverted": ({"name": "fault_job", "run": "session-ineffective",
+                              "kwargs": {"fault": "nan_batch", "steps": 900, "pace": 0.004,
+                                         "allow": ["skip_nonfinite", "lr_scale"]}}, _triage_nan),
     "agent_errors": ({"name": "lr_spike_job", "run": "session-errors",
                       "kwargs": {"steps": 300, "fault_step": None, "pace": 0.004}}, _errors),
 }

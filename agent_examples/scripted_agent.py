@@ -120,12 +120,17 @@ async def _apply_first(client: Client, run: str, live: list[dict], out: Outcome,
     for fix in live:
         if fix["id"] in done:
             continue
-        applied = await call(client, "apply_fix", run=run, fix_id=fix["id"])
+        try:
+            applied = await call(client, "apply_fix", run=run, fix_id=fix["id"])
+        except ToolFailed as e:  # the job has ended or stopped answering: nothing more can be applied live
+            note(f"apply_fix {fix['id']} refused: {e}; stopping")
+            return
         note(f"apply_fix {fix['id']} ({fix['action']} {fix['params']}): {applied['status']}")
         if fix["action"] in GUARDS:
             # Sent right behind the guard, both ride on the same reply to the job, which applies them in order
             # at one step boundary: the restored state never meets an unguarded step.
-            done |= await _undo_damage(client, run, fix, live, note, verdict_timeout, poll)
+            done |= await _undo_damage(client, run, fix, [f for f in live if f["id"] not in done], note,
+                                       verdict_timeout, poll)
         status = await _wait_status(client, run, fix["id"], {"applied", *FINAL}, verdict_timeout, poll)
         if status["status"] in ("rejected", "failed", "expired"):
             note(f"  {fix['id']} {status['status']}: {status['reason']}; trying the next proposal")
