@@ -58,7 +58,7 @@ SCENARIOS: dict[str, tuple[dict, Callable[[Any, str, Any], Awaitable[None]]]] = 
     # skipping non-finite steps and cutting the rate both leave the anomaly in place (ineffective), and
     # the agent reverts each before trying the next; what is left (a clip, a rollback) the job refuses.
     "ineffective_reverted": ({"name": "fault_job", "run": "session-ineffective",
-                              "kwargs": {"fault": "nan_batch", "steps": 900, "pace": 0.004,
+                              "kwargs": {"fault": "nan_batch", "steps": 1600, "pace": 0.004,
                                          "allow": ["skip_nonfinite", "lr_scale"]}}, _triage_nan),
     "agent_errors": ({"name": "lr_spike_job", "run": "session-errors",
                       "kwargs": {"steps": 300, "fault_step": None, "pace": 0.004}}, _errors),

@@ -7,6 +7,7 @@ notice: the weights, the learning rate or the optimizer changed (or not), and th
 from __future__ import annotations
 
 import math
+import tempfile
 
 import pytest
 import torch
@@ -53,6 +54,9 @@ def _cmd(fix_id, action, op="apply", **params):
 
 
 def _attach(model, opt, sink, allow, **kw):
+    # A spool directory of its own: a probe replays the spools that dead processes left in its directory,
+    # and other tests' leftovers in the shared one could hold up this probe's own deliveries.
+    kw.setdefault("spool_dir", tempfile.mkdtemp(prefix="traindx-interventions-"))
     return probes.attach(model, opt, run="t", sink=sink, interval=5, allow=allow, flush_interval=60, **kw)
 
 
