@@ -124,7 +124,6 @@ class Gradients(Collection):
 
 
 def _update_rows(names: list[str], raw: list[list[float]]) -> list[dict]:
-    import math
     rows = []
     for name, delta, base in zip(names, raw[0], raw[1]):
         ratio = delta / base if base > 0 else None
@@ -202,20 +201,20 @@ _ACT_FIELDS = ("sum", "sumsq", "nan", "inf", "zero", "min", "max", "count", "dea
 
 
 def _activation_rows(names: list[str], raw: list[list[float]]) -> list[dict]:
-    import math
     rows = []
-    for i, name in enumerate(names):
-        s, ss, nan, inf, zero, lo, hi, n, dead, sat = (raw[j][i] for j in range(len(_ACT_FIELDS)))
+    isfinite, sqrt = math.isfinite, math.sqrt
+    for name, s, ss, nan, inf, zero, lo, hi, n, dead, sat in zip(names, *raw[:len(_ACT_FIELDS)]):
         fin = n - nan - inf
-        mean = s / fin if fin else None
-        var = max(ss / fin - mean * mean, 0.0) if fin else None
-
-        def f(x: float | None) -> float | None:
-            return x if x is not None and math.isfinite(x) else None
-
-        rows.append({"name": name, "numel": int(n), "mean": f(mean), "std": f(math.sqrt(var)) if var is not None else None,
-                     "min": f(lo), "max": f(hi), "nan_count": int(nan), "inf_count": int(inf),
-                     "zero_frac": zero / n if n else None,
+        if fin:
+            mean = s / fin
+            std = sqrt(max(ss / fin - mean * mean, 0.0))
+            mean = mean if isfinite(mean) else None
+            std = std if isfinite(std) else None
+        else:
+            mean = std = None
+        rows.append({"name": name, "numel": int(n), "mean": mean, "std": std,
+                     "min": lo if isfinite(lo) else None, "max": hi if isfinite(hi) else None,
+                     "nan_count": int(nan), "inf_count": int(inf), "zero_frac": zero / n if n else None,
                      "dead_frac": dead if dead >= 0 else None, "saturated_frac": sat if sat >= 0 else None})
     return rows
 
@@ -234,7 +233,8 @@ def _activation_stats(y: torch.Tensor, module: torch.nn.Module | None) -> torch.
         # channels (B, C, H, W) or, for sequences (B, T, D), the last dimension.
         dim = y.dim() - 1 if y.dim() == 3 else 1
         peak = y.amax(dim=[d for d in range(y.dim()) if d != dim])
-        dead = 1.0 - (peak > 0).sum() / peak.numel()
+        alive = (peak > 0).sum()
+        dead = 1.0 - (alive.item() if not y.is_cuda else alive) / peak.numel()
     elif module is not None and type(module) in _BOUNDED:
         lo, hi = _BOUNDED[type(module)]
         band = SATURATION_MARGIN * (hi - lo)
@@ -272,6 +272,7 @@ class Activations(Collection):
         super().__init__(probe, interval)
         self._names: list[str] = []
         self._stats: list[torch.Tensor | list[float]] = []
+        self._last: tuple[torch.Tensor, int, Any, bool] | None = None
         self._done = False
         self.leaves = [(n, m) for n, m in probe.model.named_modules() if n and not list(m.children())]
         # Inside a torch.compile'd graph, hooks added and removed on sampled steps would not fire (the
@@ -287,7 +288,7 @@ class Activations(Collection):
                          + " collected; weights, gradients, updates and step times are unaffected")
 
     def arm(self, step: int) -> None:
-        self._names, self._stats, self._done = [], [], False
+        self._names, self._stats, self._done, self._last = [], [], False, None
         model = self.probe.model
         if self.compiled == "in-place" or self._handles:
             return
@@ -302,8 +303,18 @@ class Activations(Collection):
         if isinstance(y, (tuple, list)) and y:
             y = y[0]
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
+            last = self._last
+            plain = module is None or not (isinstance(module, _RELU_FAMILY) or type(module) in _BOUNDED)
+            # The model's output is its last layer's output, and Dropout(p=0) returns its input: the same
+            # tensor, unchanged since (same version), has the same statistics, unless one of the two also
+            # has a dead or saturated fraction.
+            if last is not None and last[0] is y and last[1] == y._version and plain and last[3]:
+                stats = last[2]
+            else:
+                stats = _activation_stats(y, module)
+            self._last = (y, y._version, stats, plain)  # one tensor kept at most, until the next or collect()
             self._names.append(name)
-            self._stats.append(_activation_stats(y, module))
+            self._stats.append(stats)
 
     def _on_input(self, module: torch.nn.Module, args: tuple) -> None:
         if args:
@@ -320,7 +331,7 @@ class Activations(Collection):
 
     def collect(self, step: int) -> list[HostCopy]:
         stats, names = self._stats, self._names
-        self._names, self._stats, self._done = [], [], True  # kept hooks record nothing until re-armed
+        self._names, self._stats, self._done, self._last = [], [], True, None  # kept hooks record nothing until re-armed
         if not stats:
             return []
         on_device = [t for t in stats if isinstance(t, torch.Tensor)]

@@ -106,3 +106,20 @@ def test_every_step_sampling_keeps_hooks_between_steps_and_takes_them_off_after(
     assert steps == [0, 1, 2, 3, 4, 5, 6]
     one = [e for e in sink.events if e["kind"] == "tensor_stats" and e["collection"] == "activations"]
     assert all([r["name"] for r in e["rows"]] == ["<input>", "0", "1", "2", "<output>"] for e in one)
+
+
+def test_the_output_has_its_last_layers_numbers_without_a_dead_fraction():
+    torch.manual_seed(0)
+    for last in (torch.nn.Linear(16, 4), torch.nn.ReLU()):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        sink = MemorySink()
+        with probes.attach(model, opt, run="out", sink=sink, interval=1) as probe:
+            _train(model, opt, probe, 2)
+        for e in (e for e in sink.events if e["kind"] == "tensor_stats" and e["collection"] == "activations"):
+            rows = {r["name"]: r for r in e["rows"]}
+            out, layer = rows["<output>"], rows["3"]
+            assert {k: v for k, v in out.items() if k not in ("name", "dead_frac")} == \
+                {k: v for k, v in layer.items() if k not in ("name", "dead_frac")}
+            assert out["dead_frac"] is None
+            assert (layer["dead_frac"] is None) == isinstance(last, torch.nn.Linear)
