@@ -148,6 +148,7 @@ class Updates(Collection):
         self._owners: list[torch.Tensor] = []  # the parameters the buffers were made for
         self._params: list[torch.Tensor] = []
         self._before: list[torch.Tensor] = []
+        self._base: list[torch.Tensor] = []
         self._copied = False
         self._result: torch.Tensor | None = None
 
@@ -169,6 +170,8 @@ class Updates(Collection):
             self._before = [torch.empty_like(p) for p in params]
         self._owners, self._params = owners, params
         if params:
+            # ||w_before|| now, while the weights are in cache (the optimizer's step evicts them).
+            self._base = torch._foreach_norm(params)
             torch._foreach_copy_(self._before, params)
         self._copied = bool(params)
 
@@ -177,9 +180,8 @@ class Updates(Collection):
         if not self._copied:
             return
         self._copied = False
-        base = torch._foreach_norm(self._before)
         torch._foreach_sub_(self._before, self._params)  # w_before - w_after: the update's norm, negated
-        self._result = torch.stack([torch.stack(torch._foreach_norm(self._before)), torch.stack(base)])
+        self._result = torch.stack([torch.stack(torch._foreach_norm(self._before)), torch.stack(self._base)])
 
     def collect(self, step: int) -> list[HostCopy]:
         out = []
