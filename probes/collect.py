@@ -172,7 +172,11 @@ class Updates(Collection):
         if params:
             # ||w_before|| now, while the weights are in cache (the optimizer's step evicts them).
             self._base = torch._foreach_norm(params)
-            torch._foreach_copy_(self._before, params)
+            if hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(self._before, params)
+            else:  # a torch without it
+                for b, p in zip(self._before, params):
+                    b.copy_(p)
         self._copied = bool(params)
 
     def _post(self, *_: Any) -> None:
@@ -196,7 +200,7 @@ class Updates(Collection):
 
     def disarm(self) -> None:
         super().disarm()
-        self._before, self._owners, self._params, self._copied = [], [], [], False
+        self._before, self._base, self._owners, self._params, self._copied = [], [], [], [], False
 
 
 _ACT_FIELDS = ("sum", "sumsq", "nan", "inf", "zero", "min", "max", "count", "dead", "saturated")
@@ -373,6 +377,7 @@ class System(Collection):
         super().__init__(probe, interval)
         self._marks: dict[str, float] = {}
         self._statm: int | None = None
+        self._pid = os.getpid()  # a forked child reads its own statm, not ours through our descriptor
         try:
             self._statm = os.open("/proc/self/statm", os.O_RDONLY)
         except (OSError, AttributeError):
@@ -410,7 +415,7 @@ class System(Collection):
             out["sys/backward"] = m["opt0"] - m["fwd1"]
         if "opt0" in m and "opt1" in m and m["opt0"] >= m.get("fwd1", m["opt0"]):
             out["sys/optimizer"] = m["opt1"] - m["opt0"]
-        rss = _rss_mb(self._statm)
+        rss = _rss_mb(self._statm if os.getpid() == self._pid else None)
         if rss is not None:
             out["sys/rss_mb"] = rss
         if p.device.type == "cuda":
