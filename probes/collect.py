@@ -1,8 +1,11 @@
 """Collections: what a probe measures on a sampled step, each on/off with its own schedule.
 
 A collection is armed at the end of the step before a sampled one (it may register one-shot hooks
-then) and collected at the end of the sampled step. On a step no collection samples, none of this
-runs. Results stay on the tensors' device until one stacked copy to the host.
+then) and collected at the end of the sampled step. Its hooks come off after that unless the next step
+is sampled too (then they stay, and ``arm`` only resets what they record: with every step sampled,
+registering them every step would cost more than some statistics). On a step no collection samples,
+none of this runs. Results stay on the tensors' device until one stacked copy to the host; on the CPU
+they are host lists from the start.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .stats import rows_from_stats, tensor_stats
+from .stats import EXACT_COUNT, host_stats, rows_from_stats
 
 # Activation outputs within this distance of a bound count as saturated. Same 1% band as the
 # saturation check in Glorot & Bengio (2010), sec. 3.
@@ -35,13 +38,14 @@ def compiled(model: torch.nn.Module) -> str | None:
 
 
 class HostCopy:
-    """A stacked statistics tensor on its way to the host; asynchronous on CUDA."""
+    """A stacked statistics tensor on its way to the host; asynchronous on CUDA. ``stacked`` may also be
+    the host lists already (rows of fields, columns of tensors), as the CPU paths make them."""
 
-    def __init__(self, collection: str, step: int, names: list[str], stacked: torch.Tensor,
+    def __init__(self, collection: str, step: int, names: list[str], stacked: torch.Tensor | list[list[float]],
                  to_rows: Callable[[list[str], list[list[float]]], list[dict]] = rows_from_stats) -> None:
         self.collection, self.step, self.names, self.to_rows = collection, step, names, to_rows
         self.time = time.time()
-        if stacked.is_cuda:
+        if isinstance(stacked, torch.Tensor) and stacked.is_cuda:
             self.host = stacked.to("cpu", non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record()
@@ -54,7 +58,8 @@ class HostCopy:
     def event(self) -> dict:
         if self.ready is not None:
             self.ready.synchronize()
-        rows = self.to_rows(self.names, self.host.tolist())
+        host = self.host
+        rows = self.to_rows(self.names, host.tolist() if isinstance(host, torch.Tensor) else host)
         return {"kind": "tensor_stats", "step": self.step, "time": self.time,
                 "collection": self.collection, "rows": rows}
 
@@ -75,7 +80,8 @@ class Collection:
         return -(-step // self.interval) * self.interval
 
     def arm(self, step: int) -> None:
-        """Called at the end of step ``step - 1`` when ``due(step)``: register one-shot hooks."""
+        """Called at the end of step ``step - 1`` when ``due(step)``: register one-shot hooks (or, when
+        they are still on from a sampled step just before, reset what they record)."""
 
     def collect(self, step: int) -> list[HostCopy]:
         return []
@@ -85,6 +91,7 @@ class Collection:
         return True
 
     def disarm(self) -> None:
+        """Take the hooks off; the probe calls it after a sampled step that the next one does not follow."""
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -96,9 +103,13 @@ class Collection:
 class Weights(Collection):
     name = "weights"
 
+    def __init__(self, probe: Any, interval: int) -> None:
+        super().__init__(probe, interval)
+        self._names = [n for n, _ in probe.params]
+        self._params = [p for _, p in probe.params]
+
     def collect(self, step: int) -> list[HostCopy]:
-        named = self.probe.params
-        return [HostCopy(self.name, step, [n for n, _ in named], tensor_stats([p for _, p in named]))]
+        return [HostCopy(self.name, step, self._names, host_stats(self._params))]
 
 
 class Gradients(Collection):
@@ -109,11 +120,10 @@ class Gradients(Collection):
         if not named:
             return []
         grads = [g.to_dense() if g.is_sparse else g for _, g in named]
-        return [HostCopy(self.name, step, [n for n, _ in named], tensor_stats(grads))]
+        return [HostCopy(self.name, step, [n for n, _ in named], host_stats(grads))]
 
 
 def _update_rows(names: list[str], raw: list[list[float]]) -> list[dict]:
-    import math
     rows = []
     for name, delta, base in zip(names, raw[0], raw[1]):
         ratio = delta / base if base > 0 else None
@@ -123,40 +133,61 @@ def _update_rows(names: list[str], raw: list[list[float]]) -> list[dict]:
 
 
 class Updates(Collection):
-    """||w_after - w_before|| / ||w_before|| across the optimizer step, via one-shot step hooks."""
+    """||w_after - w_before|| / ||w_before|| across the optimizer step, via step hooks.
+
+    The weights before the step are copied into buffers that stay allocated while consecutive steps are
+    sampled (one copy of the trainable weights, what a clone per step would take anyway), and the
+    difference is taken in place: no allocation per step.
+    """
 
     name = "updates"
 
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
-        self._before: list[torch.Tensor] | None = None
         self._names: list[str] = []
+        self._owners: list[torch.Tensor] = []  # the parameters the buffers were made for
+        self._params: list[torch.Tensor] = []
+        self._before: list[torch.Tensor] = []
+        self._base: list[torch.Tensor] = []
+        self._copied = False
         self._result: torch.Tensor | None = None
 
     def arm(self, step: int) -> None:
         opt = self.probe.optimizer
-        if opt is None:
+        if opt is None or self._handles:
             return
         self._handles = [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
 
     def _pre(self, *_: Any) -> None:
         named = [(n, p) for n, p in self.probe.params if p.grad is not None]
-        self._names = [n for n, _ in named]
-        self._before = [p.detach().clone() for _, p in named]
-        self._params = [p for _, p in named]
+        owners = [p for _, p in named]
+        # Detached: the hooks run in the caller's grad mode, and the buffers must not join the graph.
+        params = [p.detach() for p in owners]
+        if (len(owners) != len(self._owners) or any(a is not b for a, b in zip(owners, self._owners))
+                or any(b.shape != p.shape or b.dtype != p.dtype or b.device != p.device
+                       for b, p in zip(self._before, params))):
+            self._names = [n for n, _ in named]
+            self._before = [torch.empty_like(p) for p in params]
+        self._owners, self._params = owners, params
+        if params:
+            # ||w_before|| now, while the weights are in cache (the optimizer's step evicts them).
+            self._base = torch._foreach_norm(params)
+            if hasattr(torch, "_foreach_copy_"):
+                torch._foreach_copy_(self._before, params)
+            else:  # a torch without it
+                for b, p in zip(self._before, params):
+                    b.copy_(p)
+        self._copied = bool(params)
 
     def _post(self, *_: Any) -> None:
-        # Hooks are removed in collect(), not here: torch iterates the hook dict while calling us.
-        if not self._before:
+        # Hooks are removed by the probe after collect(), not here: torch iterates the hook dict while calling us.
+        if not self._copied:
             return
-        after = [p.detach() for p in self._params]
-        deltas = torch._foreach_sub(after, self._before)
-        self._result = torch.stack([torch.stack(torch._foreach_norm(deltas)),
-                                    torch.stack(torch._foreach_norm(self._before))])
-        self._before = None
+        self._copied = False
+        torch._foreach_sub_(self._before, self._params)  # w_before - w_after: the update's norm, negated
+        self._result = torch.stack([torch.stack(torch._foreach_norm(self._before)), torch.stack(self._base)])
 
     def collect(self, step: int) -> list[HostCopy]:
-        self.disarm()
         out = []
         if self._result is not None:
             out.append(HostCopy(self.name, step, self._names, self._result, _update_rows))
@@ -167,62 +198,75 @@ class Updates(Collection):
                 {f"lr/group{i}": float(g["lr"]) for i, g in enumerate(opt.param_groups)})
         return out
 
+    def disarm(self) -> None:
+        super().disarm()
+        self._before, self._base, self._owners, self._params, self._copied = [], [], [], [], False
+
 
 _ACT_FIELDS = ("sum", "sumsq", "nan", "inf", "zero", "min", "max", "count", "dead", "saturated")
 
 
 def _activation_rows(names: list[str], raw: list[list[float]]) -> list[dict]:
-    import math
     rows = []
-    for i, name in enumerate(names):
-        s, ss, nan, inf, zero, lo, hi, n, dead, sat = (raw[j][i] for j in range(len(_ACT_FIELDS)))
+    isfinite, sqrt = math.isfinite, math.sqrt
+    for name, s, ss, nan, inf, zero, lo, hi, n, dead, sat in zip(names, *raw[:len(_ACT_FIELDS)]):
         fin = n - nan - inf
-        mean = s / fin if fin else None
-        var = max(ss / fin - mean * mean, 0.0) if fin else None
-
-        def f(x: float | None) -> float | None:
-            return x if x is not None and math.isfinite(x) else None
-
-        rows.append({"name": name, "numel": int(n), "mean": f(mean), "std": f(math.sqrt(var)) if var is not None else None,
-                     "min": f(lo), "max": f(hi), "nan_count": int(nan), "inf_count": int(inf),
-                     "zero_frac": zero / n if n else None,
+        if fin:
+            mean = s / fin
+            std = sqrt(max(ss / fin - mean * mean, 0.0))
+            mean = mean if isfinite(mean) else None
+            std = std if isfinite(std) else None
+        else:
+            mean = std = None
+        rows.append({"name": name, "numel": int(n), "mean": mean, "std": std,
+                     "min": lo if isfinite(lo) else None, "max": hi if isfinite(hi) else None,
+                     "nan_count": int(nan), "inf_count": int(inf), "zero_frac": zero / n if n else None,
                      "dead_frac": dead if dead >= 0 else None, "saturated_frac": sat if sat >= 0 else None})
     return rows
 
 
-def _activation_stats(y: torch.Tensor, module: torch.nn.Module | None) -> torch.Tensor:
-    """Ten numbers for one activation tensor, kept on its device (see _ACT_FIELDS)."""
+def _activation_stats(y: torch.Tensor, module: torch.nn.Module | None) -> torch.Tensor | list[float]:
+    """Ten numbers for one activation tensor (see _ACT_FIELDS): on CUDA a tensor kept on the device, on
+    the CPU a host list."""
     y = y.detach()
     if not y.is_floating_point() or y.dtype in (torch.float16, torch.bfloat16):
         y = y.float()
     dev = y.device
-    dead = sat = -1.0
+    dead: torch.Tensor | float = -1.0
+    sat: torch.Tensor | float = -1.0
     if module is not None and isinstance(module, _RELU_FAMILY) and y.dim() >= 2:
         # A unit is dead when it is <= 0 for every sample of the batch. Units are features (B, F),
         # channels (B, C, H, W) or, for sequences (B, T, D), the last dimension.
-        dim = -1 if y.dim() == 3 else 1
-        peak = y.movedim(dim, 0).reshape(y.shape[dim], -1).amax(dim=1)
-        dead = 1.0 - (peak > 0).float().mean()
+        dim = y.dim() - 1 if y.dim() == 3 else 1
+        peak = y.amax(dim=[d for d in range(y.dim()) if d != dim])
+        alive = (peak > 0).sum()
+        dead = 1.0 - (alive.item() if not y.is_cuda else alive) / peak.numel()
     elif module is not None and type(module) in _BOUNDED:
         lo, hi = _BOUNDED[type(module)]
         band = SATURATION_MARGIN * (hi - lo)
-        sat = ((y <= lo + band) | (y >= hi - band)).float().mean()
+        sat = ((y <= lo + band) | (y >= hi - band)).sum() / y.numel()
     n = float(y.numel())
     if not y.is_cuda:
-        # On the host a branch is free: finite activations (the usual case) skip the masked passes.
-        ss = float(torch.linalg.vector_norm(y)) ** 2
+        # On the host a branch and a read are free: finite activations (the usual case) skip the masked
+        # passes, and take the same unmasked ones as probes.stats._cpu_stats.
+        flat = y.reshape(-1)
+        ss = torch.dot(flat, flat).item()
         if math.isfinite(ss):
-            lo_, hi_ = torch.aminmax(y)
-            zeros = n - float(torch.count_nonzero(y))
-            return torch.tensor([float(y.sum()), ss, 0.0, 0.0, zeros, float(lo_), float(hi_), n,
-                                 float(dead), float(sat)])
+            if n < EXACT_COUNT:
+                sign = torch.sign(flat)
+                nonzero = torch.dot(sign, sign).item()
+            else:
+                nonzero = torch.count_nonzero(flat).item()
+            return [flat.sum().item(), ss, 0.0, 0.0, n - nonzero, flat.amin().item(), flat.amax().item(), n,
+                    float(dead), float(sat)]
     finite = torch.isfinite(y)
     yf = torch.where(finite, y, torch.zeros((), device=dev))
     inf = torch.tensor(float("inf"), device=dev)
     as_t = lambda v: v.float() if isinstance(v, torch.Tensor) else torch.tensor(float(v), device=dev)  # noqa: E731
-    return torch.stack([yf.sum(), (yf * yf).sum(), torch.isnan(y).sum().float(), torch.isinf(y).sum().float(),
-                        (y == 0).sum().float(), torch.where(finite, y, inf).min(), torch.where(finite, y, -inf).max(),
-                        torch.tensor(n, device=dev), as_t(dead), as_t(sat)])
+    stats = torch.stack([yf.sum(), (yf * yf).sum(), torch.isnan(y).sum().float(), torch.isinf(y).sum().float(),
+                         (y == 0).sum().float(), torch.where(finite, y, inf).min(), torch.where(finite, y, -inf).max(),
+                         torch.tensor(n, device=dev), as_t(dead), as_t(sat)])
+    return stats if y.is_cuda else stats.tolist()
 
 
 class Activations(Collection):
@@ -233,7 +277,8 @@ class Activations(Collection):
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
         self._names: list[str] = []
-        self._stats: list[torch.Tensor] = []
+        self._stats: list[torch.Tensor | list[float]] = []
+        self._last: tuple[torch.Tensor, int, Any, bool] | None = None
         self._done = False
         self.leaves = [(n, m) for n, m in probe.model.named_modules() if n and not list(m.children())]
         # Inside a torch.compile'd graph, hooks added and removed on sampled steps would not fire (the
@@ -249,9 +294,9 @@ class Activations(Collection):
                          + " collected; weights, gradients, updates and step times are unaffected")
 
     def arm(self, step: int) -> None:
-        self._names, self._stats, self._done = [], [], False
+        self._names, self._stats, self._done, self._last = [], [], False, None
         model = self.probe.model
-        if self.compiled == "in-place":
+        if self.compiled == "in-place" or self._handles:
             return
         self._handles.append(model.register_forward_pre_hook(self._on_input))
         for name, module in self.leaves:
@@ -264,8 +309,18 @@ class Activations(Collection):
         if isinstance(y, (tuple, list)) and y:
             y = y[0]
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
+            last = self._last
+            plain = module is None or not (isinstance(module, _RELU_FAMILY) or type(module) in _BOUNDED)
+            # The model's output is its last layer's output, and Dropout(p=0) returns its input: the same
+            # tensor, unchanged since (same version), has the same statistics, unless one of the two also
+            # has a dead or saturated fraction.
+            if last is not None and last[0] is y and last[1] == y._version and plain and last[3]:
+                stats = last[2]
+            else:
+                stats = _activation_stats(y, module)
+            self._last = (y, y._version, stats, plain)  # one tensor kept at most, until the next or collect()
             self._names.append(name)
-            self._stats.append(_activation_stats(y, module))
+            self._stats.append(stats)
 
     def _on_input(self, module: torch.nn.Module, args: tuple) -> None:
         if args:
@@ -281,18 +336,30 @@ class Activations(Collection):
         self._done = True  # one forward per sampled step; later forwards (eval) are not this step's
 
     def collect(self, step: int) -> list[HostCopy]:
-        self.disarm()
-        if not self._stats:
+        stats, names = self._stats, self._names
+        self._names, self._stats, self._done, self._last = [], [], True, None  # kept hooks record nothing until re-armed
+        if not stats:
             return []
-        stacked = torch.stack(self._stats, dim=1)
-        names, self._names, self._stats = self._names, [], []
+        on_device = [t for t in stats if isinstance(t, torch.Tensor)]
+        if not on_device:
+            return [HostCopy(self.name, step, names, [list(field) for field in zip(*stats)], _activation_rows)]
+        dev = on_device[0].device  # an input still on the host, say, joins the rest on the device
+        stacked = torch.stack([t.to(dev) if isinstance(t, torch.Tensor) else torch.tensor(t, device=dev)
+                               for t in stats], dim=1)
         return [HostCopy(self.name, step, names, stacked, _activation_rows)]
 
 
-def _rss_mb() -> float | None:
+_PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 4096 / 2**20
+
+
+def _rss_mb(statm: int | None = None) -> float | None:
+    """Resident set size now; ``statm`` is a descriptor of /proc/self/statm kept open (a read of it
+    costs a few microseconds, an open several times that: it matters when every step is sampled)."""
     try:
+        if statm is not None:
+            return int(os.pread(statm, 128, 0).split()[1]) * _PAGE_MB
         with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+            return int(fh.read().split()[1]) * _PAGE_MB
     except (OSError, ValueError, IndexError):
         try:
             import resource
@@ -309,12 +376,19 @@ class System(Collection):
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
         self._marks: dict[str, float] = {}
+        self._statm: int | None = None
+        self._pid = os.getpid()  # a forked child reads its own statm, not ours through our descriptor
+        try:
+            self._statm = os.open("/proc/self/statm", os.O_RDONLY)
+        except (OSError, AttributeError):
+            pass
 
     def arm(self, step: int) -> None:
         self._marks = {}
+        if self._handles:
+            return
         model, opt = self.probe.model, self.probe.optimizer
         mark = self._mark
-        self._handles = []
         if compiled(model) != "in-place":  # its forward hooks would run inside the compiled graph
             self._handles += [model.register_forward_pre_hook(lambda *_: mark("fwd0")),
                               model.register_forward_hook(lambda *_: mark("fwd1"))]
@@ -326,8 +400,8 @@ class System(Collection):
         self._marks.setdefault(key, time.perf_counter())
 
     def collect(self, step: int) -> list[HostCopy]:
-        self.disarm()
         p, m, out = self.probe, self._marks, {}
+        self._marks = {}  # kept hooks mark nothing for this step any more
         if p.steps_timed:
             out["sys/step_time"] = p.step_time_sum / p.steps_timed
             out["sys/step_time_max"] = p.step_time_max
@@ -341,7 +415,7 @@ class System(Collection):
             out["sys/backward"] = m["opt0"] - m["fwd1"]
         if "opt0" in m and "opt1" in m and m["opt0"] >= m.get("fwd1", m["opt0"]):
             out["sys/optimizer"] = m["opt1"] - m["opt0"]
-        rss = _rss_mb()
+        rss = _rss_mb(self._statm if os.getpid() == self._pid else None)
         if rss is not None:
             out["sys/rss_mb"] = rss
         if p.device.type == "cuda":
@@ -354,6 +428,15 @@ class System(Collection):
         p.pending_scalars.update(out)
         p.reset_step_times()
         return []
+
+    def close(self) -> None:
+        super().close()
+        if self._statm is not None:
+            try:
+                os.close(self._statm)
+            except OSError:
+                pass
+            self._statm = None
 
 
 COLLECTIONS: dict[str, type[Collection]] = {

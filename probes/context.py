@@ -84,15 +84,17 @@ class Timeline(Collection):
     # -- arming ------------------------------------------------------------------------------------
     def arm(self, step: int) -> None:
         self._marks, self._events = {}, {}
+        if self.comm_hooked:
+            self.comm = _CommTimes(self.cuda)
+        if self._handles:  # still on from the sampled step just before
+            return
         model, opt = self.probe.model, self.probe.optimizer
         self._handles = [model.register_forward_pre_hook(lambda *_: self._mark("fwd0")),
                          model.register_forward_hook(lambda *_: self._mark("fwd1", last=True))]
         if opt is not None:
             self._handles += [opt.register_step_pre_hook(lambda *_: self._mark("opt0")),
                               opt.register_step_post_hook(lambda *_: self._mark("opt1"))]
-        if self.comm_hooked:
-            self.comm = _CommTimes(self.cuda)
-        elif self.grad_marks and self.probe.world["world_size"] > 1:
+        if not self.comm_hooked and self.grad_marks and self.probe.world["world_size"] > 1:
             # Without the timed communication hook, the time from this rank's last gradient being ready
             # to the optimizer step is what it waited for the all-reduce (DDP's backward returns only
             # when the reduction is done). One-shot hooks: nothing is left behind on other steps.
@@ -115,9 +117,7 @@ class Timeline(Collection):
             ev.record()  # re-recording moves a mark that is kept at its last reading ("grad", "fwd1")
 
     def _disarm(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.disarm()
 
     # -- the communication hook ----------------------------------------------------------------------
     def install_comm_hook(self, model: torch.nn.Module, hook: Callable | None = None, state: Any = None) -> str | None:
@@ -163,8 +163,8 @@ class Timeline(Collection):
 
     # -- collecting ----------------------------------------------------------------------------------
     def collect(self, step: int) -> list[HostCopy]:
-        self._disarm()
         p, m = self.probe, self._marks
+        self._marks = {}  # hooks kept for the next sampled step mark nothing until it is armed
         comm, self.comm = self.comm, None
         end = p.step_called or time.perf_counter()  # the user's step ended when it called probe.step()
         clock = p.clock

@@ -202,7 +202,8 @@ class Probe:
                 self._rollback.keep(step, loss, [v for _, v in self._losses])
             if self._deferred:
                 self._finish_deferred(step)
-            if self._due:
+            sampled = self._due
+            if sampled:
                 if self._capture is not None:
                     self._capture.pause(True)
                 self._sample(step)
@@ -221,6 +222,8 @@ class Probe:
             self._step = step + 1
             if step + 1 >= self._next_due:
                 self._arm(step + 1)
+            if sampled:
+                self._release(sampled)
         except Exception as e:  # noqa: BLE001 - the training job comes first
             self._degrade("step", e)
             self._step = step + 1
@@ -394,6 +397,13 @@ class Probe:
                                                         default=2**62)
         for c in self._due:
             c.arm(step)
+
+    def _release(self, sampled: list[Collection]) -> None:
+        """Take the hooks off the collections just sampled, but for those armed again for the next step:
+        with every step sampled they are registered once, not every step."""
+        for c in sampled:
+            if c not in self._due:
+                c.disarm()
 
     def _sample(self, step: int) -> None:
         reporting = False
@@ -610,10 +620,7 @@ class Probe:
     def _suspend(self) -> None:
         """Take the one-shot hooks of the armed collections off (for eval steps in between)."""
         for c in self._due:
-            for h in getattr(c, "_handles", []):
-                h.remove()
-            if hasattr(c, "_handles"):
-                c._handles = []
+            c.disarm()
 
     def _switch_mode(self, mode: str) -> None:
         if mode == self._mode:
@@ -680,6 +687,11 @@ class Probe:
                 pass
         if self._errors >= MAX_ERRORS and self.collections:
             log.warning("traindx: %d probe errors; sampling switched off for this run", self._errors)
+            for c in self.collections:
+                try:
+                    c.close()
+                except Exception:  # noqa: BLE001
+                    pass
             self.collections = []
             self._due = []
             self._next_due = 2**62
