@@ -29,13 +29,16 @@ async def _healthy(client: Any, run: str, job: Any) -> None:
 
 async def _triage(client: Any, run: str, job: Any) -> None:
     await triage(client, run, timeout=60, verdict_timeout=90, say=print)
-    # Only the anomaly the agent fixed: which other kinds show up around it depends on timing.
+    # Once the run is over, the anomaly the agent fixed has its final status (while the run goes on, when
+    # it clears depends on timing); which other kinds show up around it depends on timing too.
+    await asyncio.to_thread(job.join)
     await call(client, "get_anomalies", run=run, kind="loss_divergence")
     await call(client, "compression_recipe", run=run, target_sparsity=0.5)
 
 
 async def _triage_nan(client: Any, run: str, job: Any) -> None:
     await triage(client, run, timeout=60, verdict_timeout=90, say=print)
+    await asyncio.to_thread(job.join)  # the final status, as above
     await call(client, "get_anomalies", run=run, kind="nonfinite")
 
 
