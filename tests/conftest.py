@@ -139,3 +139,15 @@ def people_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
                headers={"x-traindx-actor": "ana", "authorization": f"Bearer {PEOPLE_TOKEN}"}).raise_for_status()
     yield srv
     srv.stop()
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch on one intra-op thread: a job's thread, the probe's sender and an in-process server already
+    share a small machine's cores, and torch's own threads on top make such runs several times slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

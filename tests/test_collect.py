@@ -8,6 +8,7 @@ import torch
 import probes
 from probes.collect import _activation_rows, _activation_stats
 from probes.sinks import MemorySink
+from tests.test_probe import _train
 
 
 def _act_row(y: torch.Tensor, module: torch.nn.Module | None) -> dict:
@@ -54,15 +55,6 @@ def test_non_finite_activations_are_counted_and_the_moments_skip_them():
     assert row["mean"] == pytest.approx(2.0) and (row["min"], row["max"]) == (1.0, 3.0)
 
 
-def _train(model, opt, probe, steps):
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(torch.randn(16, 8)).pow(2).mean()
-        loss.backward()
-        opt.step()
-        probe.step(loss=loss)
-
-
 def test_update_ratio_matches_torch_every_step():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -71,7 +63,7 @@ def test_update_ratio_matches_torch_every_step():
     with probes.attach(model, opt, run="upd", sink=sink, interval=1) as probe:
         for _ in range(3):
             before = [p.detach().clone() for p in model.parameters()]
-            _train(model, opt, probe, 1)
+            _train(probe, model, opt, 1)
             want = {n: ((p.detach() - b).norm() / b.norm()).item()
                     for (n, p), b in zip(model.named_parameters(), before)}
             probe.flush()
@@ -90,15 +82,15 @@ def test_every_step_sampling_keeps_hooks_between_steps_and_takes_them_off_after(
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     sink = MemorySink()
     probe = probes.attach(model, opt, run="keep", sink=sink, interval=1)
-    _train(model, opt, probe, 4)
+    _train(probe, model, opt, 4)
     assert _hooked(model, opt)  # armed for the next step
     with probe.mode("eval"), torch.no_grad():
         model(torch.randn(4, 8))
         assert not _hooked(model, opt)  # an eval block runs without them
         probe.step()
-    _train(model, opt, probe, 2)
+    _train(probe, model, opt, 2)
     probe.set_interval(10)
-    _train(model, opt, probe, 1)  # step 6 was armed under interval 1; step 7 is not sampled
+    _train(probe, model, opt, 1)  # step 6 was armed under interval 1; step 7 is not sampled
     assert not _hooked(model, opt)
     probe.close()
     assert not _hooked(model, opt)
@@ -115,7 +107,7 @@ def test_the_output_has_its_last_layers_numbers_without_a_dead_fraction():
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         sink = MemorySink()
         with probes.attach(model, opt, run="out", sink=sink, interval=1) as probe:
-            _train(model, opt, probe, 2)
+            _train(probe, model, opt, 2)
         for e in (e for e in sink.events if e["kind"] == "tensor_stats" and e["collection"] == "activations"):
             rows = {r["name"]: r for r in e["rows"]}
             out, layer = rows["<output>"], rows["3"]

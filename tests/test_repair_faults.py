@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import orjson
 import pytest
-import torch
 
 from agent_examples.jobs import fault_job
 from agent_examples.scripted_agent import GUARDS
@@ -71,14 +70,7 @@ def _baseline(fault: str, **kw) -> float:
     return fault_job(fault, run=fault, steps=STEPS, pace=0, attach=False, **kw).final_loss
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The job's thread, the probe's sender and the in-process server share the CPU; torch's intra-op
-    # threads on top of them make the runs several times slower on a small machine (measurement here).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
