@@ -54,7 +54,7 @@ SCENARIOS: dict[str, tuple[dict, Callable[[Any, str, Any], Awaitable[None]]]] = 
     "healthy": ({"name": "lr_spike_job", "run": "session-healthy",
                  "kwargs": {"steps": 600, "fault_step": None, "pace": 0.004}}, _healthy),
     "exploding_fixed": ({"name": "lr_spike_job", "run": "session-lr-spike",
-                         "kwargs": {"steps": 800, "fault_step": 300, "pace": 0.004}}, _triage),
+                         "kwargs": {"steps": 1600, "fault_step": 300, "pace": 0.004}}, _triage),
     "nan_rolled_back": ({"name": "fault_job", "run": "session-nan-batch",
                          "kwargs": {"fault": "nan_batch", "steps": 600, "pace": 0.004}}, _triage_nan),
     # A job that keeps no snapshots cannot roll back: the NaN batch has already poisoned the weights, so
