@@ -360,14 +360,16 @@ def _why_unanswered(run_row: sqlite3.Row, fix_row: sqlite3.Row, now: float) -> s
         return "the job ended before it picked the command up"
     if now - run_row["last_seen"] > STALE_AFTER_S:
         return f"the job has not been heard from for {now - run_row['last_seen']:.0f}s (stale after {STALE_AFTER_S:.0f}s)"
-    asked_at = (orjson.loads(fix_row["verify"]) if fix_row["verify"] else {}).get("requested_at_step")
+    # Counted from the first reply that carried the command to the job (ingest.pending_commands): a job
+    # stepping faster than its probe sends can run many steps between the request and its next batch.
+    asked_at = (orjson.loads(fix_row["verify"]) if fix_row["verify"] else {}).get("sent_at_step")
     if fix_row["pending_op"] == "apply" and isinstance(asked_at, int):
         start = orjson.loads(run_row["start"]) if run_row["start"] else {}
         interval = int((start.get("config") or {}).get("interval") or 50)
         limit = max(ACK_INTERVALS * interval, ACK_MIN_STEPS)
         if (run_row["last_step"] or 0) > asked_at + limit:
-            return (f"the job ran {run_row['last_step'] - asked_at} steps since the request without acknowledging "
-                    "it (is its probe too old to know this action?)")
+            return (f"the job ran {run_row['last_step'] - asked_at} steps since it received the command without "
+                    "acknowledging it (is its probe too old to know this action?)")
     return None
 
 

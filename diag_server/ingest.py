@@ -133,8 +133,17 @@ def _interval(conn: sqlite3.Connection, run: str) -> int:
 
 
 def pending_commands(conn: sqlite3.Connection, run: str) -> list[Command]:
-    rows = conn.execute("SELECT id, action, params, pending_op FROM fixes WHERE run=? AND pending_op IS NOT NULL "
-                        "ORDER BY seq", (run,)).fetchall()
+    """The commands waiting for the job, handed out with this reply. The first time an apply goes out,
+    the run's step is kept (``sent_at_step``): the job is given a few intervals from *then* to acknowledge
+    (fixes.status), not from the request, which may come long before the job's next batch."""
+    rows = conn.execute("SELECT id, action, params, pending_op, verify FROM fixes WHERE run=? AND pending_op IS NOT "
+                        "NULL ORDER BY seq", (run,)).fetchall()
+    for r in rows:
+        verify = orjson.loads(r["verify"]) if r["verify"] else {}
+        if r["pending_op"] == "apply" and "sent_at_step" not in verify:
+            step = conn.execute("SELECT last_step FROM runs WHERE run=?", (run,)).fetchone()[0] or 0
+            conn.execute("UPDATE fixes SET verify=? WHERE id=?",
+                         (orjson.dumps({**verify, "sent_at_step": step}).decode(), r["id"]))
     return [Command(fix_id=r["id"], op=r["pending_op"], action=r["action"], params=orjson.loads(r["params"]))
             for r in rows] + evidence.pending(conn, run)
 

@@ -13,6 +13,7 @@ import pytest
 
 from diag_server import fixes
 from diag_server.errors import ApiError
+from diag_server.ingest import pending_commands
 from diag_server.store import Store
 
 RUN = "r1"
@@ -252,12 +253,15 @@ def test_a_pending_fix_the_job_never_acknowledges_expires_with_the_reason(store)
     fix = _propose(store, a)[0]
     assert fixes.apply(store, RUN, fix.id, "mcp:agent").status.value == "pending"
     assert fixes.status(store, RUN, fix.id).status.value == "pending"  # the job has not moved on yet
-    _run(store, last_step=300 + 51)  # 5 intervals of 10, at least 50 steps, without an ack
+    _run(store, last_step=300 + 200)  # the job stepped on, but no reply has carried the command to it yet
+    assert fixes.status(store, RUN, fix.id).status.value == "pending"
+    store.write(lambda conn: pending_commands(conn, RUN))  # a batch's reply hands it to the job at step 500
+    _run(store, last_step=500 + 51)  # 5 intervals of 10, at least 50 steps, without an ack
     expired = fixes.status(store, RUN, fix.id)
     assert expired.status.value == "expired" and "without acknowledging" in expired.reason
     # Asked again, then the job went silent: the fix expires when queried, not when the job comes back.
     assert fixes.apply(store, RUN, fix.id, "mcp:agent").status.value == "pending"
-    _run(store, last_step=351, last_seen=time.time() - 120)
+    _run(store, last_step=551, last_seen=time.time() - 120)
     stale = fixes.status(store, RUN, fix.id)
     assert stale.status.value == "expired" and "not been heard from" in stale.reason
     trail = [(r["actor"], r["action"], r["fix_id"]) for r in store.read().execute("SELECT * FROM audit WHERE run=?", (RUN,))]
