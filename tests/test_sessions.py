@@ -20,7 +20,10 @@ SESSIONS = sorted((ROOT / "agent_examples" / "sessions").glob("*.jsonl"))
 def test_recorded_session_replays(server, path):
     header, calls = load(path)
     assert header["protocol_version"] and header["server_version"]
-    job = start_job(header["job"], server.url, spool_dir=str(server.data_dir / "spool"))
+    # The same seeded job, stepping slower: its steps and anomalies are the same, and a client on a loaded
+    # machine still sees each state the recording saw (an anomaly still open, a fix not yet verified).
+    spec = {**header["job"], "kwargs": {**header["job"]["kwargs"], "pace": max(header["job"]["kwargs"].get("pace", 0), 0.012)}}
+    job = start_job(spec, server.url, spool_dir=str(server.data_dir / "spool"))
 
     async def go():
         async with connect(f"{server.url}/mcp", name="replay-test") as client:
