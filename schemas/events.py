@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .enums import Collection, FixAction
 
@@ -68,6 +68,15 @@ class RunStart(_Model):
     host: str = Field("", max_length=256)
     allow: list[FixAction] = Field(default_factory=list, description="Fix actions this job accepts.")
     config: Params = Field(default_factory=dict, description="The probe's own configuration.")
+
+    @field_validator("config")
+    @classmethod
+    def _interval_is_a_step_count(cls, config: dict) -> dict:
+        """The server paces its rules by ``config.interval``: when present it must be a positive integer."""
+        interval = config.get("interval")
+        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
+            raise ValueError(f"config.interval must be a positive integer (steps between samples), got {interval!r}")
+        return config
 
 
 class Scalars(_Model):

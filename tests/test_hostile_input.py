@@ -281,3 +281,13 @@ def test_zz_fuzz_figure() -> None:
         pytest.skip(f"the fuzz tests of this module did not all run ({CASES})")
     assert CASES["5xx"] == 0
     print(f"\nfuzz cases run: {CASES['n']}, 5xx: {CASES['5xx']}")
+
+
+def test_a_run_start_with_a_bad_interval_is_refused_whole(app_client):
+    """Found by the fuzz: the server paces its rules by config.interval, which once reached int() as a list."""
+    client, data = app_client
+    for bad in ([None], "10", 0, True):
+        batch = {**VALID, "batch_id": f"bad-interval-{bad!r}",
+                 "events": [{"kind": "run_start", "step": 0, "time": 1.0, "config": {"interval": bad}}]}
+        r = client.post("/v1/ingest", content=orjson.dumps(batch))
+        assert r.status_code == 422 and "config.interval must be a positive integer" in r.text, (bad, r.text)
