@@ -21,6 +21,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -48,6 +49,8 @@ def start_server(data: Path) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
+    # The server's token: the ranks (forked from here) and the ingest senders read it from TRAINDX_TOKEN.
+    os.environ.setdefault("TRAINDX_TOKEN", secrets.token_urlsafe(32))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "diag_server.cli", "serve", "--port", str(port), "--data", str(data)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -152,7 +155,8 @@ def _sender(rank: int, server: str, run: str, events: list[dict], batches: int, 
             start: float) -> None:
     import httpx
 
-    client = httpx.Client(base_url=server, timeout=60)
+    client = httpx.Client(base_url=server, timeout=60,
+                          headers={"authorization": f"Bearer {os.environ['TRAINDX_TOKEN']}"})
     client.post("/v1/ingest", json={"batch_id": uuid.uuid4().hex, "run": run, "seq": 0, "rank": rank, "events": [
         {"kind": "run_start", "time": time.time(), "rank": rank, "world_size": 8}]})
     while time.time() < start:
