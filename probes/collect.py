@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .stats import EXACT_COUNT, host_stats, rows_from_stats
+from .stats import finite_stats, host_stats, rows_from_stats
 
 # Activation outputs within this distance of a bound count as saturated. Same 1% band as the
 # saturation check in Glorot & Bengio (2010), sec. 3.
@@ -249,16 +249,9 @@ def _activation_stats(y: torch.Tensor, module: torch.nn.Module | None) -> torch.
     if not y.is_cuda:
         # On the host a branch and a read are free: finite activations (the usual case) skip the masked
         # passes, and take the same unmasked ones as probes.stats._cpu_stats.
-        flat = y.reshape(-1)
-        ss = torch.dot(flat, flat).item()
-        if math.isfinite(ss):
-            if n < EXACT_COUNT:
-                sign = torch.sign(flat)
-                nonzero = torch.dot(sign, sign).item()
-            else:
-                nonzero = torch.count_nonzero(flat).item()
-            return [flat.sum().item(), ss, 0.0, 0.0, n - nonzero, flat.amin().item(), flat.amax().item(), n,
-                    float(dead), float(sat)]
+        row = finite_stats(y)
+        if row is not None:
+            return [*row, float(dead), float(sat)]
     finite = torch.isfinite(y)
     yf = torch.where(finite, y, torch.zeros((), device=dev))
     inf = torch.tensor(float("inf"), device=dev)

@@ -116,9 +116,6 @@ class Timeline(Collection):
                 ev = self._events[key] = torch.cuda.Event(enable_timing=True)
             ev.record()  # re-recording moves a mark that is kept at its last reading ("grad", "fwd1")
 
-    def _disarm(self) -> None:
-        self.disarm()
-
     # -- the communication hook ----------------------------------------------------------------------
     def install_comm_hook(self, model: torch.nn.Module, hook: Callable | None = None, state: Any = None) -> str | None:
         """Register a timed communication hook on a DDP model; return why not, or None when it worked.
@@ -222,7 +219,7 @@ class Timeline(Collection):
             return {}
 
     def close(self) -> None:
-        self._disarm()
+        self.disarm()
         self.comm = None
 
 

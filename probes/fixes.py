@@ -199,22 +199,22 @@ def _relative_clip(ps: list[torch.nn.Parameter], factor: float, window: int, cap
     After AutoClip (Seetharaman et al., MLSP 2020), which clips at a low percentile of the norms seen so far:
     a fixed threshold set from early training lets spikes through once the gradients have shrunk. No host
     sync: the history is a tensor on the gradients' device."""
-    history: list[torch.Tensor | None] = [None]
-    seen = [0]
+    ring: torch.Tensor | None = None
+    seen = 0
 
     def clip() -> None:
+        nonlocal ring, seen
         grads = [p.grad for p in ps if p.grad is not None]
         if not grads:
             return
         device = grads[0].device
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), 2.0).to(device)
                                                      for g in grads]), 2.0)
-        if history[0] is None:
-            history[0] = torch.zeros(window, device=device, dtype=norm.dtype)
-        ring = history[0]
-        ring[seen[0] % window] = norm
-        seen[0] += 1
-        limit = factor * torch.nanmedian(ring[:min(seen[0], window)])
+        if ring is None:
+            ring = torch.zeros(window, device=device, dtype=norm.dtype)
+        ring[seen % window] = norm
+        seen += 1
+        limit = factor * torch.nanmedian(ring[:min(seen, window)])
         if cap is not None:
             limit = limit.clamp(max=cap)
         coef = (limit / (norm + 1e-6)).clamp(max=1.0)

@@ -64,18 +64,26 @@ def _cpu_stats(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
         if n == 0:
             cols.append([0.0, 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf, 0.0])
             continue
-        flat = t.reshape(-1)
-        sumsq = torch.dot(flat, flat).item()
-        if not math.isfinite(sumsq):  # a NaN or Inf in it, or squares beyond float range
-            cols.append(_segment_stats([t])[:, 0].tolist())
-            continue
-        if n < EXACT_COUNT:
-            sign = torch.sign(flat)
-            nonzero = torch.dot(sign, sign).item()
-        else:
-            nonzero = torch.count_nonzero(flat).item()
-        cols.append([flat.sum().item(), sumsq, 0.0, 0.0, n - nonzero, flat.amin().item(), flat.amax().item(), float(n)])
+        row = finite_stats(t)
+        # None: a NaN or Inf in it, or squares beyond float range
+        cols.append(row if row is not None else _segment_stats([t])[:, 0].tolist())
     return [list(row) for row in zip(*cols)] if cols else [[] for _ in range(8)]
+
+
+def finite_stats(t: torch.Tensor) -> list[float] | None:
+    """The eight raw sums of a non-empty float CPU tensor by five unmasked passes (see ``_cpu_stats``), or
+    None when its sum of squares is not finite (a NaN or Inf in it): then only the masked passes are right."""
+    flat = t.reshape(-1)
+    n = flat.numel()
+    sumsq = torch.dot(flat, flat).item()
+    if not math.isfinite(sumsq):
+        return None
+    if n < EXACT_COUNT:
+        sign = torch.sign(flat)
+        nonzero = torch.dot(sign, sign).item()
+    else:
+        nonzero = torch.count_nonzero(flat).item()
+    return [flat.sum().item(), sumsq, 0.0, 0.0, n - nonzero, flat.amin().item(), flat.amax().item(), float(n)]
 
 
 def tensor_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
