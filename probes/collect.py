@@ -238,7 +238,7 @@ def _activation_stats(y: torch.Tensor, module: torch.nn.Module | None) -> torch.
         # A unit is dead when it is <= 0 for every sample of the batch. Units are features (B, F),
         # channels (B, C, H, W) or, for sequences (B, T, D), the last dimension.
         dim = y.dim() - 1 if y.dim() == 3 else 1
-        peak = y.amax(dim=[d for d in range(y.dim()) if d != dim])
+        peak = y.amax(dim=0) if y.dim() == 2 else y.amax(dim=[d for d in range(y.dim()) if d != dim])
         alive = (peak > 0).sum()
         dead = 1.0 - (alive.item() if not y.is_cuda else alive) / peak.numel()
     elif module is not None and type(module) in _BOUNDED:

@@ -428,8 +428,14 @@ class Probe:
         by_step: dict[int, dict[str, float | None]] = {}
         tensors = [(s, v) for s, v in losses if isinstance(v, torch.Tensor)]
         if tensors:
-            # A non-scalar loss (per-sample values) is reported as its mean.
-            values = torch.stack([v.float().mean() for _, v in tensors]).tolist()
+            # A non-scalar loss (per-sample values) is reported as its mean. The usual loss, a 0-d float
+            # tensor on one device, is stacked as it is: two operations for the interval, not two per step.
+            ts = [v for _, v in tensors]
+            first = ts[0]
+            if all(v.dim() == 0 and v.dtype == first.dtype and v.device == first.device for v in ts):
+                values = torch.stack(ts).float().tolist()
+            else:
+                values = torch.stack([v.float().mean().to(first.device) for v in ts]).tolist()
             for (s, _), v in zip(tensors, values):
                 by_step.setdefault(s, {})["loss"] = v if math.isfinite(v) else None
         bad: list[str] = []

@@ -59,6 +59,20 @@ def test_samples_on_schedule_and_sends_every_loss():
     assert sys_steps == [0, 5, 10]
 
 
+def test_every_form_of_loss_is_reported_as_its_value():
+    """Losses of one interval are read together: 0-d float32 tensors, a bfloat16 one, a per-sample
+    tensor (reported as its mean), a float and a NaN each come out as the value the loop passed."""
+    model, opt = _mlp()
+    sink = MemorySink()
+    given = [torch.tensor(1.5), torch.tensor(2.25, dtype=torch.bfloat16), torch.tensor([1.0, 2.0, 6.0]), 0.75,
+             torch.tensor(float("nan")), torch.tensor(4.0)]
+    with probes.attach(model, opt, run="losses", sink=sink, interval=10) as probe:
+        for loss in given:
+            probe.step(loss=loss)
+    got = {e["step"]: e["values"]["loss"] for e in sink.events if e["kind"] == "scalars" and "loss" in e["values"]}
+    assert got == {0: 1.5, 1: 2.25, 2: 3.0, 3: 0.75, 4: None, 5: 4.0}
+
+
 def test_unsampled_steps_register_no_hooks():
     model, opt = _mlp()
     with probes.attach(model, opt, run="hooks", sink=MemorySink(), interval=100) as probe:
