@@ -48,10 +48,11 @@ def transformer() -> tuple[torch.nn.Module, callable]:
 MODELS = {"mlp": mlp, "transformer": transformer}
 
 
-def time_steps(model, loss_fn, opt, probe, steps: int) -> float:
+def time_steps(model, loss_fn, opt, probe, steps: int, cpu: list[float] | None = None) -> float:
     """Mean step time over ``steps`` steps, in seconds: the mean, not the median, so the sampled steps
-    (one in fifty by default) are paid for in the figure."""
-    t0 = time.perf_counter()
+    (one in a hundred by default) are paid for in the figure. ``cpu`` gets the process's CPU time per
+    step (every thread: the probe's sender included)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model)
@@ -59,26 +60,29 @@ def time_steps(model, loss_fn, opt, probe, steps: int) -> float:
         opt.step()
         if probe is not None:
             probe.step(loss=loss)
+    if cpu is not None:
+        cpu.append((time.process_time() - c0) / steps)
     return (time.perf_counter() - t0) / steps
 
 
 def measure(name: str, *, server: str | None, repeats: int, steps: int, every_step: bool,
-            interval: int | None = None) -> tuple[float, float]:
+            interval: int | None = None) -> dict[str, list[float]]:
+    """Per repeat: wall and CPU seconds per step without and with the probe, measured back to back."""
     torch.manual_seed(0)
     model, loss_fn = MODELS[name]()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     kwargs = {"interval": 1} if every_step else ({"interval": interval} if interval else {})
     time_steps(model, loss_fn, opt, None, 50)  # warm-up
-    off, on = [], []
+    r: dict[str, list[float]] = {"off": [], "on": [], "off_cpu": [], "on_cpu": []}
     for _ in range(repeats):
-        off.append(time_steps(model, loss_fn, opt, None, steps))
+        r["off"].append(time_steps(model, loss_fn, opt, None, steps, r["off_cpu"]))
         p = probes.attach(model, opt, run=f"overhead-{name}", **({"sink": MemorySink()} if server is None else
                                                                   {"server": server}), **kwargs)
         time_steps(model, loss_fn, opt, p, 5)
-        on.append(time_steps(model, loss_fn, opt, p, steps))
+        r["on"].append(time_steps(model, loss_fn, opt, p, steps, r["on_cpu"]))
         p.close()
         gc.collect()
-    return statistics.median(off), statistics.median(on)
+    return r
 
 
 def peak_rss(with_probe: bool, steps: int) -> float:
@@ -129,10 +133,15 @@ def main() -> None:
         target = 1.5 if args.every_step else 1.02
         print(f"probe overhead, {config}, sink={args.sink}, {args.repeats} alternating repeats x {args.steps} steps")
         for name in (MODELS if args.model == "all" else [args.model]):
-            off, on = measure(name, server=server, repeats=args.repeats, steps=args.steps, every_step=args.every_step,
-                              interval=args.interval)
+            r = measure(name, server=server, repeats=args.repeats, steps=args.steps, every_step=args.every_step,
+                        interval=args.interval)
+            off, on = statistics.median(r["off"]), statistics.median(r["on"])
+            paired = [b / a for a, b in zip(r["off"], r["on"])]
+            cpu = statistics.median(r["on_cpu"]) / statistics.median(r["off_cpu"])
             print(f"  {name:12s} no probe {off * 1e3:7.3f} ms/step   probe {on * 1e3:7.3f} ms/step   "
                   f"ratio {on / off:.3f}  (target <= {target})")
+            print(f"  {'':12s} paired ratios {' '.join(f'{x:.3f}' for x in paired)} (median {statistics.median(paired):.3f}); "
+                  f"CPU time ratio {cpu:.3f} (this process, every thread)")
     finally:
         if server_proc is not None:
             server_proc.terminate()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import time
 import uuid
@@ -54,6 +55,17 @@ def _default_run() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
+def _steps(what: str, value: Any, hint: str = "") -> int:
+    """A sampling interval: a positive whole number of steps (a numpy integer too), else a ValueError."""
+    try:
+        n = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        n = None
+    if n is None or n < 1:
+        raise ValueError(f"{what} must be a positive whole number of steps, got {value!r}{hint}")
+    return n
+
+
 def _as_float(x: Any) -> float | None:
     """A finite float, or None for NaN/Inf (the wire's null). Raises TypeError for what is not a number."""
     v = float(x.detach().float().mean().item()) if isinstance(x, torch.Tensor) else float(x)
@@ -88,8 +100,7 @@ class Probe:
             raise TypeError(f"probes.attach needs an nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if interval < 1:
-            raise ValueError(f"interval must be >= 1, got {interval}")
+        interval = _steps("interval", interval)
         self.model = model
         self.optimizer = optimizer
         self.run = run or _default_run()
@@ -110,6 +121,8 @@ class Probe:
         for name, every in items:
             if name not in KNOWN_COLLECTIONS:
                 raise ValueError(f"unknown collection {name!r}; known: {sorted(KNOWN_COLLECTIONS)}")
+            if every is not None:
+                every = _steps(f"collection {name!r}: its interval", every, " (leave a collection out to turn it off)")
             self.collections.append(KNOWN_COLLECTIONS[name](self, every or interval))
         self._fixed_interval = {c.name for c in self.collections} if isinstance(wanted, Mapping) else set()
 

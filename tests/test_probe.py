@@ -155,3 +155,17 @@ def test_public_api_is_honest():
     for name in probes.__all__:
         assert hasattr(probes, name), name
     assert math.isfinite(probes.DEFAULT_INTERVAL)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "10", None])
+def test_a_sampling_interval_that_is_not_a_positive_whole_number_is_refused_at_attach(bad):
+    model, opt = _mlp()
+    if bad is not None:
+        with pytest.raises(ValueError, match="positive whole number of steps"):
+            probes.attach(model, opt, sink=MemorySink(), interval=bad)
+    with pytest.raises(ValueError, match="collection 'weights': its interval must be a positive whole number"):
+        probes.attach(model, opt, sink=MemorySink(), collections={"weights": 10, "gradients": 10} | {"weights": bad or 0})
+    import numpy as np
+    probe = probes.attach(model, opt, sink=MemorySink(), interval=np.int64(7), collections={"weights": np.int32(3)})
+    assert [(c.name, c.interval) for c in probe.collections] == [("weights", 3)] and probe.interval == 7
+    probe.close()
