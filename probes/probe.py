@@ -11,6 +11,7 @@ import logging
 import math
 import operator
 import os
+import re
 import time
 import uuid
 from collections import deque
@@ -37,7 +38,7 @@ DEFAULT_INTERVAL = 100
 DEFAULT_COLLECTIONS = ("weights", "gradients", "updates", "activations", "system", "timeline")
 KNOWN_COLLECTIONS: dict[str, type[Collection]] = {**COLLECTIONS, Timeline.name: Timeline}
 TRAIN = "train"
-MODE_PATTERN = __import__("re").compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+MODE_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 # After this many internal errors the probe stops sampling altogether rather than keep failing.
 MAX_ERRORS = 20
 # Loss tensors kept between two samples, at most; beyond it they are read early (one sync).
@@ -51,7 +52,8 @@ def _default_run() -> str:
     # Under torchrun every rank sees the same TORCHELASTIC_RUN_ID, so all ranks join one run.
     elastic = os.environ.get("TORCHELASTIC_RUN_ID")
     if elastic and elastic != "none":
-        return f"torchrun-{elastic}"
+        # Whatever --rdzv-id the user gave torchrun, made a valid run id the same way on every rank.
+        return "torchrun-" + re.sub(r"[^A-Za-z0-9._:\-]", "_", elastic)[:118]
     return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
@@ -104,6 +106,14 @@ class Probe:
         self.model = model
         self.optimizer = optimizer
         self.run = run or _default_run()
+        from schemas.enums import RUN_ID_PATTERN  # the server refuses every batch of a run id outside it
+
+        if not isinstance(self.run, str) or not re.fullmatch(RUN_ID_PATTERN, self.run):
+            source = "run" if run else "TRAINDX_RUN"
+            raise ValueError(f"{source} {self.run!r} is not a valid run id: letters, digits, '.', '_', ':' and '-', "
+                             "starting with a letter or digit, at most 128 characters")
+        if isinstance(flush_interval, bool) or not isinstance(flush_interval, (int, float)) or not flush_interval > 0:
+            raise ValueError(f"flush_interval must be a positive number of seconds, got {flush_interval!r}")
         self.world = world()
         self.clock = Clock()
         self.interval = interval

@@ -9,6 +9,8 @@ from __future__ import annotations
 from enum import Enum
 
 SCHEMA_VERSION = "1"
+# What a run id may be (the probe checks it at attach, the server at ingest).
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
 
 
 class AnomalyKind(str, Enum):

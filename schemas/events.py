@@ -10,9 +10,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .enums import Collection, FixAction
+from .enums import RUN_ID_PATTERN, Collection, FixAction
 
-RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$"
 NAME_PATTERN = r"^[^\x00-\x1f]{1,256}$"
 MAX_EVENTS_PER_BATCH = 5000
 MAX_ROWS_PER_EVENT = 20000

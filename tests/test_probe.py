@@ -169,3 +169,30 @@ def test_a_sampling_interval_that_is_not_a_positive_whole_number_is_refused_at_a
     probe = probes.attach(model, opt, sink=MemorySink(), interval=np.int64(7), collections={"weights": np.int32(3)})
     assert [(c.name, c.interval) for c in probe.collections] == [("weights", 3)] and probe.interval == 7
     probe.close()
+
+
+@pytest.mark.parametrize("run", ["a/b c", "", "-starts-with-a-dash", "x" * 129, "line\n"])
+def test_a_run_id_the_server_would_refuse_is_refused_at_attach(run, monkeypatch):
+    """Every batch of such a run would be refused by the server: better to say so before training starts."""
+    model, opt = _mlp()
+    if run:
+        with pytest.raises(ValueError, match="not a valid run id"):
+            probes.attach(model, opt, run=run, sink=MemorySink())
+    monkeypatch.setenv("TRAINDX_RUN", run or "bad run")
+    with pytest.raises(ValueError, match="TRAINDX_RUN 'bad run'|TRAINDX_RUN .* not a valid run id"):
+        probes.attach(model, opt, sink=MemorySink())
+
+
+def test_a_torchrun_id_becomes_a_valid_run_id(monkeypatch):
+    monkeypatch.delenv("TRAINDX_RUN", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "my job/7")
+    model, opt = _mlp()
+    with probes.attach(model, opt, sink=MemorySink()) as probe:
+        assert probe.run == "torchrun-my_job_7"
+
+
+@pytest.mark.parametrize("bad", [0, -1, "1", True])
+def test_a_flush_interval_that_is_not_a_positive_number_is_refused(bad):
+    model, opt = _mlp()
+    with pytest.raises(ValueError, match="flush_interval must be a positive number of seconds"):
+        probes.attach(model, opt, sink=MemorySink(), flush_interval=bad)
