@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import sqlite3
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from .store import STAT_COLUMNS, Store
 
 MAX_BODY_BYTES = 32 << 20  # a full batch of the largest events fits well inside this
 DEFAULT_INTERVAL = 100  # the probe's default (probes.DEFAULT_INTERVAL), for runs that sent no run_start
+_stat_values = operator.itemgetter("name", *STAT_COLUMNS)  # a row dict -> its stats table columns
 
 
 
@@ -75,10 +77,11 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
                 scalar_rows.append((run, ev.step, name, value, ev.time, rank))
                 obs.scalars.setdefault(name, []).append((ev.step, value))
         elif isinstance(ev, TensorStats):
-            rows = [r.model_dump() for r in ev.rows]
-            obs.stats.setdefault(ev.collection.value, {})[ev.step] = rows
-            stat_rows.extend((run, ev.step, ev.collection.value, r["name"], *(r[c] for c in STAT_COLUMNS), rank)
-                             for r in rows)
+            # A row's fields as validated, copied; only an embedding summary (a nested model) needs a dump.
+            rows = [dict(r.__dict__) if r.embedding is None else r.model_dump() for r in ev.rows]
+            collection = ev.collection.value
+            obs.stats.setdefault(collection, {})[ev.step] = rows
+            stat_rows.extend((run, ev.step, collection, *_stat_values(r), rank) for r in rows)
         elif isinstance(ev, RunStart):
             if ranks.started(conn, run, rank, ev):
                 conn.execute("UPDATE runs SET start=?, ended=0 WHERE run=?", (ev.model_dump_json(), run))
