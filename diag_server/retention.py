@@ -132,7 +132,7 @@ def delete_run(store: Store, run: str, *, force: bool = False, engine: Any = Non
         return counts
 
     counts = store.write(write)
-    store.write(_vacuum)
+    store.write(_vacuum, alone=True)
     return counts
 
 

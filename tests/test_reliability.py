@@ -221,3 +221,41 @@ def test_a_damaged_store_is_reported_at_start(tmp_path: Path) -> None:
         assert any("integrity" in w for w in health["warnings"])
     finally:
         srv.stop()
+
+
+def test_writes_committed_together_stay_atomic_each(tmp_path: Path) -> None:
+    """Group commit: writes that wait together share a transaction, but one that fails leaves nothing
+    of itself behind and takes nothing of the others with it; each caller gets its own result."""
+    store = Store(tmp_path)
+    gate = threading.Event()
+    store._jobs.put((lambda conn: gate.wait(10), __import__("concurrent.futures").futures.Future(), False))
+
+    def job(i: int):  # noqa: ANN202
+        def fn(conn: sqlite3.Connection) -> int:
+            conn.execute("INSERT INTO scalars(run, step, name, value, time) VALUES ('r', ?, 'loss', 1.0, 1.0)", (i,))
+            if i % 3 == 0:
+                raise ValueError(f"job {i} refuses")
+            return i
+        return fn
+
+    results: dict[int, object] = {}
+
+    def call(i: int) -> None:
+        try:
+            results[i] = store.write(job(i))
+        except ValueError as e:
+            results[i] = str(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    while store._jobs.qsize() < 12:  # all twelve queued behind the gate: they will be committed together
+        threading.Event().wait(0.01)
+    gate.set()
+    for t in threads:
+        t.join(10)
+    store.close()
+    assert results == {i: (f"job {i} refuses" if i % 3 == 0 else i) for i in range(12)}
+    with _db(tmp_path) as conn:
+        steps = sorted(s for (s,) in conn.execute("SELECT step FROM scalars"))
+    assert steps == [i for i in range(12) if i % 3]
