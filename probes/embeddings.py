@@ -572,6 +572,7 @@ class Embeddings(Collection):
         self._handles: list[Any] = []
         self._step = 0
         self._stepped = False
+        self._armed = False
 
     def due(self, step: int) -> bool:
         return bool(self.tables) and (step % self.track_every == 0 or step % self.interval == 0)
@@ -591,39 +592,51 @@ class Embeddings(Collection):
         return None
 
     def arm(self, step: int) -> None:
-        self._step, self._stepped = step, False
+        self._step, self._stepped, self._armed = step, False, True
         for t in self.tables:
             t.lookups = []
+        opt = self.probe.optimizer
+        # With every step tracked the hooks stay on between steps (the probe calls disarm() only after a
+        # tracked step that the next one does not follow): registering and removing six hooks a step cost
+        # more than the copies they make. Ours must stay the last optimizer hooks, as when they were
+        # registered each step, so that a fix's hooks (embedding_grad_scale) act before we copy the rows:
+        # a hook registered since puts ours back at the end.
+        if self._handles and (opt is None or (self._last(opt._optimizer_step_pre_hooks) == self._handles[-2].id
+                                              and self._last(opt._optimizer_step_post_hooks) == self._handles[-1].id)):
+            return
+        super().disarm()
+        for t in self.tables:
             for m in t.modules:
                 self._handles.append(m.register_forward_hook(self._on_lookup(t)))
-        opt = self.probe.optimizer
         if opt is not None:
             self._handles += [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
 
     @staticmethod
-    def _on_lookup(t: TableState) -> Any:
+    def _last(hooks: Mapping) -> Any:
+        return next(reversed(hooks), None)
+
+    def _on_lookup(self, t: TableState) -> Any:
         def hook(module: torch.nn.Module, args: tuple, out: Any) -> None:
-            # Lookups made without autograd (evaluation) teach the table nothing.
-            if args and isinstance(args[0], torch.Tensor) and torch.is_grad_enabled():
+            # Lookups made without autograd (evaluation) teach the table nothing; kept hooks record nothing
+            # between collect() and the next arm().
+            if self._armed and args and isinstance(args[0], torch.Tensor) and torch.is_grad_enabled():
                 t.lookups.append(args[0].detach().reshape(-1))
         return hook
 
     def _pre(self, *_: Any) -> None:
-        for t in self.tables:
-            t.gather()
+        if self._armed:
+            for t in self.tables:
+                t.gather()
 
     def _post(self, *_: Any) -> None:
-        # Hooks are removed in collect(), not here: torch iterates the hook dict while calling us.
-        if self._stepped:
+        if self._stepped or not self._armed:
             return
         self._stepped = True
         for t in self.tables:
             t.update(self._step, with_delta=True)
 
     def collect(self, step: int) -> list[HostCopy]:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._armed = False
         if not self._stepped:  # no optimizer (or it did not step): gradients only, no deltas
             for t in self.tables:
                 t.gather()
@@ -650,10 +663,12 @@ class Embeddings(Collection):
 
         return [HostCopy(self.name, step, names, torch.cat(parts), to_rows)]
 
+    def disarm(self) -> None:
+        self._armed = False
+        super().disarm()
+
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.disarm()
 
 
 # -- the live fix ----------------------------------------------------------------------------------------

@@ -199,6 +199,38 @@ def test_sparse_adam_and_untracked_steps() -> None:
     assert e["touched_rows"] == 10 and e["never_updated"] == 40 and e["sparse"] is True
 
 
+def test_hooks_stay_on_while_every_step_is_tracked_and_come_off_otherwise() -> None:
+    """Tracked every step, the hooks are registered once, not every step; they stay the optimizer's last
+    hooks (a fix's hooks act before the rows are copied); they come off when the next step is not
+    tracked and at close."""
+    model = Toy(rows=12, dim=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, _ = attach(model, opt)
+    coll = next(c for c in probe.collections if isinstance(c, Embeddings))
+
+    def hooks() -> tuple[int, int, int]:
+        return (len(model.table._forward_hooks), len(opt._optimizer_step_pre_hooks),
+                len(opt._optimizer_step_post_hooks))
+
+    ids = torch.arange(8)
+    train(model, probe, 3, ids=ids, opt=opt)
+    handles = list(coll._handles)
+    train(model, probe, 3, ids=ids, opt=opt)
+    assert coll._handles == handles and hooks() == (1, 1, 1)
+    fix = opt.register_step_post_hook(lambda *_: None)  # as embedding_grad_scale registers its own
+    train(model, probe, 1, ids=ids, opt=opt)
+    assert next(reversed(opt._optimizer_step_post_hooks)) == coll._handles[-1].id and hooks() == (1, 1, 2)
+    fix.remove()
+    assert int(table_state(probe).touches[0]) == 7  # every step counted once, whatever happened to the hooks
+    coll.track_every = 3  # step 8 is not tracked (nor reported): the hooks come off after step 7
+    train(model, probe, 1, ids=ids, opt=opt)
+    assert hooks() == (0, 0, 0)
+    train(model, probe, 1, ids=ids, opt=opt)
+    assert hooks() == (1, 1, 1)
+    probe.close()
+    assert hooks() == (0, 0, 0)
+
+
 # -- rules ---------------------------------------------------------------------------------------------------
 def obs_of(sink: probes.MemorySink) -> Observations:
     obs = Observations(run="emb", interval=10)
