@@ -32,7 +32,10 @@ one sort of the queued (row, step) pairs, then a fixed number of vectorised oper
 steps in order (TableState.flush). A report costs O(rows touched since the last report + TOP_ROWS +
 SAMPLE_ROWS): counters are kept as rows change, the worst-row lists are re-ranked over the rows that
 changed plus the previous lists, and medians and the collapse statistics come from a fixed random
-sample of rows.
+sample of rows. For CPU tables, folds and reports run on a background thread (_Worker; ATen releases
+the GIL, so they overlap the training thread when a core is free); a report then reaches the sender at
+the next drain (the next report or flush), like a CUDA copy still in flight. On CUDA they stay inline:
+their kernels are asynchronous already.
 
 A row counts as touched when the model looked it up *and* its gradient row is non-zero: a whole-table
 L2 penalty in the loss gives every row a gradient, but only rows the model looked up are touched, so
@@ -43,7 +46,10 @@ never as dead.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -76,6 +82,13 @@ SAMPLE_ROWS = 4096
 # the rows, three copies) are queued, whichever comes first.
 FLUSH_STEPS = 64
 FLUSH_VALUES = 1 << 21
+# CPU tables are folded and reported on a background thread (_Worker). At most this many folds are queued
+# or running; past that the training thread waits for them and folds inline (back-pressure: the queued
+# copies stay within (MAX_JOBS + 1) x the FLUSH_VALUES bound above).
+MAX_JOBS = 2
+# The worker thread ends after this many idle seconds (a probe never closed leaves no thread behind for
+# long); the next fold starts another.
+WORKER_IDLE_S = 30.0
 
 
 def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, list[torch.nn.Module]]]:
@@ -133,15 +146,24 @@ class TableState:
         # Rows updated at least once, non-finite, and eligible (>= MIN_TOUCHES updates, finite), kept as
         # rows change so that a report does not count them over the whole table.
         self.counts = torch.zeros(3, dtype=torch.long, device=dev)
+        # The collection's background worker (CPU tables), which folds queued steps into _state: every
+        # reader outside it waits for the folds in flight (see state).
+        self.worker: _Worker | None = None
 
     def state_bytes(self) -> int:
         return self._state.numel() * self._state.element_size()
 
     @property
     def state(self) -> torch.Tensor:
-        """The per-row statistics, with every queued step folded in."""
-        if self.pending:
-            self.flush()
+        """The per-row statistics, with every queued step folded in. Outside the worker thread this waits
+        for the folds in flight, then folds what is still queued; on it (a fold, a report), it is the
+        state as folded so far (the queue belongs to the training thread)."""
+        worker = self.worker
+        if worker is None or not worker.on_thread():
+            if worker is not None:
+                worker.wait()
+            if self.pending:
+                self.flush()
         return self._state
 
     # Views of the state's columns (reads; the tracked step writes whole rows).
@@ -205,12 +227,22 @@ class TableState:
     def flush_due(self) -> bool:
         return len(self.pending) >= FLUSH_STEPS or self.pending_rows * self.dim >= FLUSH_VALUES
 
+    def take(self) -> list[tuple]:
+        """The queued steps, handed to fold() (here or on the worker); the queue starts empty again."""
+        pending, self.pending, self.pending_rows = self.pending, [], 0
+        return pending
+
     def flush(self, entries: dict | None = None) -> None:
-        """Fold the queued steps into the rows' statistics, in step order, with a fixed number of vectorised
+        """Fold the queued steps into the statistics now (after the folds in flight on the worker)."""
+        if self.worker is not None:
+            self.worker.wait()
+        self.fold(self.take(), entries)
+
+    def fold(self, pending: list[tuple], entries: dict | None = None) -> None:
+        """Fold queued steps into the rows' statistics, in step order, with a fixed number of vectorised
         operations whatever the number of steps: each statistic is a recurrence x_j = (1 - a_j) x_{j-1} +
         a_j y_j over a row's successive touches, which is solved for all rows and steps at once by a
         segmented parallel scan (log2(steps) rounds). O(lookups queued x width)."""
-        pending, self.pending, self.pending_rows = self.pending, [], 0
         if not pending:
             return
         with torch.no_grad():
@@ -220,7 +252,9 @@ class TableState:
         dev, k, n_steps = self.weight.device, self.k, len(pending)
         # One entry per (row, step), sorted by row, then step: a row's touches are consecutive, in order.
         # Tables looked up with the same index tensors (a user table and its bias table) share the sort.
-        ident = tuple(id(p[0]) for p in pending)
+        # The forward hooks keep a view of each lookup's input, so two tables' views of one input have the
+        # same memory, length and stride (while queued, every view holds its memory: no address reuse).
+        ident = tuple((p[0].data_ptr(), p[0].numel(), p[0].stride(0)) for p in pending)
         ids = torch.cat([p[0] for p in pending])
         if entries is not None and ident in entries:
             entry, inv, count = entries[ident]
@@ -400,8 +434,14 @@ class TableState:
         return torch.where(el, score, torch.full_like(score, float("-inf")))
 
     # -- a report --------------------------------------------------------------------------------------
-    def report(self, step: int) -> tuple[torch.Tensor, dict]:
+    def snapshot(self) -> torch.Tensor | None:
+        """The sampled rows' values that a report's collapse statistics read, copied at the report's step
+        (the report may run on the worker while the optimizer moves the rows). O(SAMPLE_ROWS x width)."""
+        return self.weight.detach().index_select(0, self.sample) if self.dim >= 4 else None
+
+    def report(self, step: int, sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """Pack the table's summary into one float64 tensor (one host copy) and a decoding plan.
+        ``sampled``: snapshot() taken at the report's step (else the rows are read now).
 
         O(rows touched since the last report + TOP_ROWS + SAMPLE_ROWS): the lists are re-ranked over
         the rows that changed plus the previous lists (a row nobody touched kept its statistics)."""
@@ -429,6 +469,7 @@ class TableState:
         self.nonfinite_ids = cand[self.bad_of(cand)][:k]
         self._refill_dead(k)
 
+        # On the worker, read a step or two after the report's step: a row gone NaN or inf stays so.
         bad = w.index_select(0, self.nonfinite_ids)
         touched_count, nonfinite_count, eligible_count = self.counts.unbind()  # kept by flush(): no O(rows) pass
         untouched_bad = (self.touches.index_select(0, self.nonfinite_ids) == 0).sum()
@@ -437,7 +478,7 @@ class TableState:
         st = self.sample
         el = (self.touches.index_select(0, st) >= MIN_TOUCHES) & ~self.bad_of(st)
         neg = (el & (self.consistency_of(st) < 0)).sum().double() / el.sum().clamp_min(1).double()
-        rank, cosine, sampled = self._collapse()
+        rank, cosine, sampled = self._collapse(sampled)
         noise = self.noise_excess
 
         def rows_of(i: torch.Tensor) -> list[torch.Tensor]:
@@ -474,16 +515,17 @@ class TableState:
             self.dead_scan = int(found[-1]) + 1 if ids.numel() >= k and found.numel() else hi
         self.dead_ids = ids
 
-    def _collapse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _collapse(self, sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dev = self.weight.device
         nan = torch.tensor(float("nan"), device=dev)
         if self.dim < 4:
             return nan, nan, torch.zeros((), device=dev)
         st = self.sample
-        idx = st[(self.touches.index_select(0, st) > 0) & ~self.bad_of(st)][:COLLAPSE_SAMPLE]
+        ok = (self.touches.index_select(0, st) > 0) & ~self.bad_of(st)
+        idx = st[ok][:COLLAPSE_SAMPLE]
         if idx.numel() < 2:
             return nan, nan, torch.tensor(float(idx.numel()), device=dev)
-        x = self.weight.detach().index_select(0, idx).float()
+        x = (self.weight.detach().index_select(0, idx) if sampled is None else sampled[ok][:COLLAPSE_SAMPLE]).float()
         x = x[torch.isfinite(x).all(dim=1)]  # a row can go NaN without a touch (dense optimizer state)
         if x.shape[0] < 2:
             return nan, nan, torch.tensor(float(x.shape[0]), device=dev)
@@ -527,7 +569,7 @@ def _ema_scan(rate: torch.Tensor, y: torch.Tensor, x0: torch.Tensor, first: torc
     return b
 
 
-def _decode(name: str, table: TableState, raw: list[float], plan: dict) -> dict:
+def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_steps: int) -> dict:
     def num(x: float) -> float | None:
         return x if math.isfinite(x) else None
 
@@ -545,7 +587,7 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict) -> dict:
                 for j in range(len(cols[0]))]
 
     summary = {
-        "rows": int(rows), "dim": table.dim, "sparse": table.sparse, "tracked_steps": table.tracked_steps,
+        "rows": int(rows), "dim": table.dim, "sparse": table.sparse, "tracked_steps": tracked_steps,
         "touched_rows": int(touched), "window_touched_rows": int(window), "never_updated": int(never),
         "nonfinite_rows": int(nonfinite), "median_touches": num(median), "eligible_rows": int(eligible),
         "negative_consistency_rows": int(negative), "effective_rank": num(rank), "mean_cosine": num(cosine),
@@ -559,12 +601,102 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict) -> dict:
             "inf_count": int(inf_count), "embedding": summary}
 
 
+class _Worker:
+    """One background thread that runs a collection's folds and reports in order, for CPU tables: ATen
+    releases the GIL inside its operations, so their compute overlaps the training thread on another
+    core. Bounded: submit() refuses a job while MAX_JOBS are queued or running (the caller then waits and
+    runs it itself). A job's error is kept in ``error`` for the training thread to report; it never
+    reaches the training loop from here."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._jobs: deque[Callable[[], None]] = deque()  # the first one is running
+        self._thread: threading.Thread | None = None
+        self._ident: int | None = None
+        self._stop = False
+        self.error: BaseException | None = None
+
+    def on_thread(self) -> bool:
+        return threading.get_ident() == self._ident
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        with self._cond:
+            if len(self._jobs) >= MAX_JOBS or self._stop:
+                return False
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="traindx-embeddings", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return True
+
+    def wait(self) -> None:
+        """Until every submitted job has finished (at once on the worker itself: its own job is running)."""
+        if self.on_thread():
+            return
+        with self._cond:
+            while self._jobs:
+                self._cond.wait()
+
+    def close(self) -> None:
+        self.wait()
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        self._ident = threading.get_ident()
+        while True:
+            with self._cond:
+                while not self._jobs:
+                    if self._stop or (not self._cond.wait(WORKER_IDLE_S) and not self._jobs):
+                        self._thread = None
+                        return
+                job = self._jobs[0]
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - kept for the training thread, which degrades
+                if self.error is None:
+                    self.error = e
+            with self._cond:
+                self._jobs.popleft()
+                self._cond.notify_all()
+
+
+class _LateReport(HostCopy):
+    """A report the worker builds (its rows, decoded there too): done once the worker got to it. A report
+    that failed becomes an error message, so that sending it never raises."""
+
+    def __init__(self, collection: str, step: int, names: list[str]) -> None:
+        self.collection, self.step, self.names = collection, step, names
+        self.time = time.time()
+        self.host, self.ready = None, None
+        self.raw: list[float] | None = None
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def event(self) -> dict:
+        if self.finished.wait(timeout=60.0) and self.raw is not None:
+            return {"kind": "tensor_stats", "step": self.step, "time": self.time,
+                    "collection": self.collection, "rows": self.to_rows(self.names, self.raw)}
+        why = f"{type(self.error).__name__}: {self.error}" if self.error is not None else "not finished in 60 s"
+        return {"kind": "message", "step": self.step, "time": self.time, "level": "error",
+                "text": f"traindx: the {self.collection} report of step {self.step} was not made ({why})"[:4000]}
+
+
 class Embeddings(Collection):
     """Per-row dynamics of every embedding table; tracked every ``track_every`` steps, reported every
     ``interval`` steps. See the module docstring for what is measured and what it costs."""
 
     name = "embeddings"
     track_every = 1
+    background = True  # fold and report CPU tables on the worker thread (False: inline, as on CUDA)
 
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
@@ -573,6 +705,11 @@ class Embeddings(Collection):
         self._step = 0
         self._stepped = False
         self._armed = False
+        # CPU tables fold on a background thread; on CUDA the fold's kernels already run asynchronously.
+        self._worker = _Worker() if self.background and self.tables and all(
+            t.weight.device.type == "cpu" for t in self.tables) else None
+        for t in self.tables:
+            t.worker = self._worker
 
     def due(self, step: int) -> bool:
         return bool(self.tables) and (step % self.track_every == 0 or step % self.interval == 0)
@@ -641,27 +778,70 @@ class Embeddings(Collection):
             for t in self.tables:
                 t.gather()
                 t.update(step, with_delta=False)
-        if any(t.flush_due() for t in self.tables) or self.reports(step):
-            entries: dict = {}  # tables looked up with the same indices sort them once
-            for t in self.tables:
-                t.flush(entries)
-        if not self.reports(step):
+        reporting = self.reports(step)
+        worker = self._worker
+        failed, error = None, None
+        if worker is not None and worker.error is not None:
+            failed, worker.error = worker.error, None  # raised below, once this step's work is handed on
+        if not (reporting or any(t.flush_due() for t in self.tables)):
+            if failed is not None:
+                raise RuntimeError(f"embeddings: a background fold failed: {failed!r}") from failed
             return []
+        # Tables looked up with the same indices sort them once (entries); a report's copies of the
+        # weight are taken now, at its step.
+        work = [(t, t.take(), t.snapshot() if reporting else None, t.tracked_steps) for t in self.tables]
+        if worker is None:
+            self._fold_all(work)  # an error raises into collect(): the probe degrades
+            return [HostCopy(self.name, step, *self._pack(step, work))] if reporting else []
+        late = _LateReport(self.name, step, [t.name for t in self.tables]) if reporting else None
+
+        def job() -> None:
+            try:
+                self._fold_all(work)
+                if late is not None:
+                    names, stacked, to_rows = self._pack(step, work)
+                    late.raw, late.to_rows = stacked.tolist(), to_rows
+            except BaseException as e:
+                if late is not None:
+                    late.error = e
+                raise
+            finally:
+                if late is not None:
+                    late.finished.set()
+
+        if not worker.submit(job):  # the worker is behind: wait for it, then fold here (back-pressure)
+            worker.wait()
+            try:
+                job()
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if failed is not None or error is not None:
+            err = failed or error
+            raise RuntimeError(f"embeddings: a fold failed: {err!r}") from err
+        return [late] if late is not None else []
+
+    @staticmethod
+    def _fold_all(work: list) -> None:
+        entries: dict = {}
+        for t, pending, _, _ in work:
+            t.fold(pending, entries)
+
+    def _pack(self, step: int, work: list) -> tuple[list[str], torch.Tensor, Callable]:
         names, parts, plans = [], [], []
-        for t in self.tables:
-            packed, plan = t.report(step)
+        for t, _, sampled, tracked in work:
+            packed, plan = t.report(step, sampled)
             names.append(t.name)
             parts.append(packed)
-            plans.append((t, packed.numel(), plan))
+            plans.append((t, packed.numel(), plan, tracked))
 
         def to_rows(names: list[str], raw: list[float]) -> list[dict]:
             rows, at = [], 0
-            for name, (t, n, plan) in zip(names, plans):
-                rows.append(_decode(name, t, raw[at:at + n], plan))
+            for name, (t, n, plan, tracked) in zip(names, plans):
+                rows.append(_decode(name, t, raw[at:at + n], plan, tracked))
                 at += n
             return rows
 
-        return [HostCopy(self.name, step, names, torch.cat(parts), to_rows)]
+        return names, torch.cat(parts), to_rows
 
     def disarm(self) -> None:
         self._armed = False
@@ -669,6 +849,8 @@ class Embeddings(Collection):
 
     def close(self) -> None:
         self.disarm()
+        if self._worker is not None:
+            self._worker.close()  # the reports in flight are finished: the probe sends them next
 
 
 # -- the live fix ----------------------------------------------------------------------------------------

@@ -231,6 +231,127 @@ def test_hooks_stay_on_while_every_step_is_tracked_and_come_off_otherwise() -> N
     assert hooks() == (0, 0, 0)
 
 
+def _two_tables() -> torch.nn.Module:
+    class TwoTables(torch.nn.Module):  # a user table and its bias table, looked up with the same ids
+        def __init__(self) -> None:
+            super().__init__()
+            self.user, self.user_bias = torch.nn.Embedding(40, 12), torch.nn.Embedding(40, 1)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return (self.user(ids).sum(dim=1, keepdim=True) + self.user_bias(ids)).squeeze(1)
+    torch.manual_seed(0)
+    return TwoTables()
+
+
+def _run_two_tables(background: bool, steps: int = 45) -> tuple[list, list[torch.Tensor]]:
+    model = _two_tables()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    old = Embeddings.background
+    Embeddings.background = background
+    try:
+        probe, sink = attach(model, opt, interval=10)
+    finally:
+        Embeddings.background = old
+    coll = next(c for c in probe.collections if isinstance(c, Embeddings))
+    assert (coll._worker is not None) == background
+    gen = torch.Generator().manual_seed(3)
+    for step in range(steps):
+        ids = torch.randint(0, 25, (16,), generator=gen)
+        loss = (model(ids) - torch.randn(16, generator=gen)).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+    states = [t.state.clone() for t in coll.tables]
+    probe.close()
+    return [(s, r["name"], r["embedding"]) for s, r in summaries(sink)], states
+
+
+def test_background_folds_and_reports_equal_inline_ones() -> None:
+    """Folded on the worker thread or inline, the statistics and every report are the same; the user table
+    and its bias table (same ids) share one sort."""
+    inline, inline_states = _run_two_tables(False)
+    background, background_states = _run_two_tables(True)
+    assert [s for s, _, _ in background] == [0, 0, 10, 10, 20, 20, 30, 30, 40, 40]
+    assert background == inline
+    for a, b in zip(background_states, inline_states):
+        assert torch.equal(a, b)
+    t = TableState("w", torch.nn.Embedding(5, 3).weight, [])
+    shared = torch.tensor([0, 1, 1, 2])
+    entries: dict = {}
+    for table in (t, TableState("b", torch.nn.Embedding(5, 1).weight, [])):
+        table.lookups = [shared[:]]  # each table's hook keeps its own view of the input
+        table.weight.grad = torch.ones_like(table.weight)
+        table.gather()
+        table.update(0, with_delta=True)
+        table.fold(table.take(), entries)
+    assert len(entries) == 1
+
+
+def test_a_failing_background_fold_degrades_and_never_raises(caplog) -> None:
+    model = _two_tables()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    probe, sink = attach(model, opt, interval=5)
+    coll = next(c for c in probe.collections if isinstance(c, Embeddings))
+    assert coll._worker is not None
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("fold broke")
+
+    coll.tables[0]._fold = broken
+    ids = torch.arange(8)
+    for _ in range(12):
+        loss = model(ids).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)  # never raises
+    probe.close()
+    texts = [e["text"] for b in sink.batches for e in b["events"] if e["kind"] == "message"]
+    assert any("fold broke" in x for x in texts)  # the report became a message, the probe logged the error
+    assert coll._worker._thread is None or not coll._worker._thread.is_alive()
+
+
+def test_the_worker_queue_is_bounded() -> None:
+    """A slow worker makes the training thread wait and fold inline: never more than MAX_JOBS folds queued."""
+    import threading
+
+    from probes import embeddings as emb
+
+    model = _two_tables()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    probe, _ = attach(model, opt, interval=1)  # a fold and a report every step
+    coll = next(c for c in probe.collections if isinstance(c, Embeddings))
+    gate = threading.Event()
+    fold = TableState.fold
+    seen: list[bool] = []
+    threading.Timer(0.5, gate.set).start()  # the worker stalls for half a second
+
+    def slow(self: TableState, pending: list, entries: dict | None = None) -> None:
+        inline = not coll._worker.on_thread()
+        if not inline:
+            gate.wait(timeout=5.0)
+        seen.append(inline)
+        fold(self, pending, entries)
+
+    TableState.fold = slow
+    try:
+        ids = torch.arange(8)
+        for step in range(6):
+            loss = model(ids).pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            probe.step(loss=loss)
+            assert len(coll._worker._jobs) <= emb.MAX_JOBS
+    finally:
+        TableState.fold = fold
+        gate.set()
+    assert int(coll.tables[0].touches[0]) == 6  # every step folded once, in order
+    assert any(seen) and not all(seen)  # some folds ran on the training thread, after waiting
+    probe.close()
+
+
 # -- rules ---------------------------------------------------------------------------------------------------
 def obs_of(sink: probes.MemorySink) -> Observations:
     obs = Observations(run="emb", interval=10)
