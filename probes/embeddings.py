@@ -479,11 +479,14 @@ class TableState:
         el = (self.touches.index_select(0, st) >= MIN_TOUCHES) & ~self.bad_of(st)
         neg = (el & (self.consistency_of(st) < 0)).sum().double() / el.sum().clamp_min(1).double()
         rank, cosine, sampled = self._collapse(sampled)
-        noise = self.noise_excess
+        occ_ref = torch.nan_to_num(self.occ_median, nan=float("inf")).clamp_min(1e-30)
 
         def rows_of(i: torch.Tensor) -> list[torch.Tensor]:
-            return [i.double(), self.touches[i].double(), self.velocity[i].double(),
-                    self.consistency_of(i).double(), self.snr(i).double(), noise(i).double()]
+            # One gather of the rows' state, then what consistency_of, snr and noise_excess compute, on it.
+            r = self._state.index_select(0, i)[:, :7].t()
+            cols = torch.stack([r[0], r[1], r[2] / r[3].clamp_min(1e-30), r[5] / (r[4] - r[5]).clamp_min(1e-30),
+                                r[6] / occ_ref])
+            return [i.double(), cols.double().reshape(-1)]
 
         f64 = torch.float64
         scalars = torch.stack([torch.tensor(float(R), device=dev, dtype=f64), touched_count.to(f64),
