@@ -46,6 +46,7 @@ never as dead.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -604,6 +605,14 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
             "inf_count": int(inf_count), "embedding": summary}
 
 
+def _spare_core() -> bool:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() < cores
+
+
 class _Worker:
     """One background thread that runs a collection's folds and reports in order, for CPU tables: ATen
     releases the GIL inside its operations, so their compute overlaps the training thread on another
@@ -699,7 +708,10 @@ class Embeddings(Collection):
 
     name = "embeddings"
     track_every = 1
-    background = True  # fold and report CPU tables on the worker thread (False: inline, as on CUDA)
+    # Fold and report CPU tables on the worker thread: True, False (inline, as on CUDA), or None: when
+    # torch's intra-op threads leave a core of this process free (the worker then competes with nobody
+    # of ours; with every core busy it only adds context switches, measured in docs/embeddings.md).
+    background: bool | None = None
 
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
@@ -709,7 +721,8 @@ class Embeddings(Collection):
         self._stepped = False
         self._armed = False
         # CPU tables fold on a background thread; on CUDA the fold's kernels already run asynchronously.
-        self._worker = _Worker() if self.background and self.tables and all(
+        background = self.background if self.background is not None else _spare_core()
+        self._worker = _Worker() if background and self.tables and all(
             t.weight.device.type == "cpu" for t in self.tables) else None
         for t in self.tables:
             t.worker = self._worker

@@ -288,7 +288,23 @@ def test_background_folds_and_reports_equal_inline_ones() -> None:
     assert len(entries) == 1
 
 
-def test_a_failing_background_fold_degrades_and_never_raises(caplog) -> None:
+@pytest.fixture
+def background(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Embeddings, "background", True)
+
+
+def test_the_worker_runs_only_where_a_core_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the folds go to the worker only when torch's own threads leave a core free."""
+    model = _two_tables()
+    for threads, worker in ((1, True), (4096, False)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+        probe, _ = attach(model, None)
+        assert (next(c for c in probe.collections if isinstance(c, Embeddings))._worker is not None) == worker
+        probe.close()
+
+
+def test_a_failing_background_fold_degrades_and_never_raises(background: None) -> None:
     model = _two_tables()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     probe, sink = attach(model, opt, interval=5)
@@ -312,7 +328,7 @@ def test_a_failing_background_fold_degrades_and_never_raises(caplog) -> None:
     assert coll._worker._thread is None or not coll._worker._thread.is_alive()
 
 
-def test_the_worker_queue_is_bounded() -> None:
+def test_the_worker_queue_is_bounded(background: None) -> None:
     """A slow worker makes the training thread wait and fold inline: never more than MAX_JOBS folds queued."""
     import threading
 
