@@ -32,8 +32,9 @@ one sort of the queued (row, step) pairs, then a fixed number of vectorised oper
 steps in order (TableState.flush). A report costs O(rows touched since the last report + TOP_ROWS +
 SAMPLE_ROWS): counters are kept as rows change, the worst-row lists are re-ranked over the rows that
 changed plus the previous lists, and medians and the collapse statistics come from a fixed random
-sample of rows. For CPU tables, folds and reports run on a background thread (_Worker; ATen releases
-the GIL, so they overlap the training thread when a core is free); a report then reaches the sender at
+sample of rows. For CPU tables, where torch's intra-op threads leave a core free, folds and reports run
+on a background thread (_Worker; ATen releases the GIL, so they overlap the training thread while that
+core is free); a report then reaches the sender at
 the next drain (the next report or flush), like a CUDA copy still in flight. On CUDA they stay inline:
 their kernels are asynchronous already.
 
