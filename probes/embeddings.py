@@ -796,14 +796,13 @@ class Embeddings(Collection):
             for t in self.tables:
                 t.gather()
                 t.update(step, with_delta=False)
-        reporting = self.reports(step)
         worker = self._worker
-        failed, error = None, None
         if worker is not None and worker.error is not None:
-            failed, worker.error = worker.error, None  # raised below, once this step's work is handed on
+            # Raised here, where the probe logs it and degrades; the steps queued since stay queued.
+            err, worker.error = worker.error, None
+            raise RuntimeError(f"embeddings: a background fold failed: {err!r}") from err
+        reporting = self.reports(step)
         if not (reporting or any(t.flush_due() for t in self.tables)):
-            if failed is not None:
-                raise RuntimeError(f"embeddings: a background fold failed: {failed!r}") from failed
             return []
         # Tables looked up with the same indices sort them once (entries); a report's copies of the
         # weight are taken now, at its step.
@@ -829,13 +828,7 @@ class Embeddings(Collection):
 
         if not worker.submit(job):  # the worker is behind: wait for it, then fold here (back-pressure)
             worker.wait()
-            try:
-                job()
-            except Exception as e:  # noqa: BLE001
-                error = e
-        if failed is not None or error is not None:
-            err = failed or error
-            raise RuntimeError(f"embeddings: a fold failed: {err!r}") from err
+            job()  # an error raises into collect(): the probe degrades
         return [late] if late is not None else []
 
     @staticmethod
