@@ -284,8 +284,39 @@ def test_background_folds_and_reports_equal_inline_ones() -> None:
         table.weight.grad = torch.ones_like(table.weight)
         table.gather()
         table.update(0, with_delta=True)
-        table.fold(table.take(), entries)
+        table.fold(*table.take(), entries=entries)
     assert len(entries) == 1
+
+
+def test_copies_reuse_one_buffer_and_survive_a_fold_mid_step() -> None:
+    emb = torch.nn.Embedding(20, 4)
+    t = TableState("w", emb.weight, [emb])
+
+    def gather(ids: torch.Tensor) -> None:
+        emb.zero_grad()
+        (emb(ids) * torch.arange(1.0, 5.0)).sum().backward()
+        t.lookups = [ids]
+        t.gather()
+
+    ids = torch.arange(5)
+    gather(ids)
+    t.update(0, with_delta=True)
+    buf = t._buf
+    assert t.pending[-1][3].data_ptr() == buf[2].data_ptr()  # copied into the buffer, not a fresh tensor
+    t.flush()
+    gather(ids)
+    t.update(1, with_delta=True)
+    assert t._buf is buf  # the fold handed it back
+    gather(torch.arange(20).repeat(50))  # 1,000 lookups: more than the buffer holds (5 x FLUSH_STEPS rows)
+    t.update(2, with_delta=True)
+    assert t.pending[-1][1].untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    gather(ids)
+    t.flush()  # a reader folds the queue between the optimizer's pre and post hooks
+    t._reserve(5)
+    t._buf.fill_(float("nan"))  # the next queue overwrites the buffer the taken step was copied into
+    t.update(3, with_delta=True)
+    assert torch.equal(t.pending[-1][1], emb.weight.grad[ids]) and torch.isfinite(t.pending[-1][2]).all()
+    assert t.touches[:5].tolist() == [4.0] * 5
 
 
 @pytest.fixture
@@ -345,12 +376,12 @@ def test_the_worker_queue_is_bounded(background: None) -> None:
     seen: list[bool] = []
     threading.Timer(0.5, gate.set).start()  # the worker stalls for half a second
 
-    def slow(self: TableState, pending: list, entries: dict | None = None) -> None:
+    def slow(self: TableState, pending: list, buf: torch.Tensor | None = None, entries: dict | None = None) -> None:
         inline = not coll._worker.on_thread()
         if not inline:
             gate.wait(timeout=5.0)
         seen.append(inline)
-        fold(self, pending, entries)
+        fold(self, pending, buf, entries)
 
     TableState.fold = slow
     try:
