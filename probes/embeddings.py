@@ -85,7 +85,8 @@ FLUSH_STEPS = 64
 FLUSH_VALUES = 1 << 21
 # CPU tables are folded and reported on a background thread (_Worker). At most this many folds are queued
 # or running; past that the training thread waits for them and folds inline (back-pressure: the queued
-# copies stay within (MAX_JOBS + 1) x the FLUSH_VALUES bound above).
+# copies stay within (MAX_JOBS + 2) x the FLUSH_VALUES bound above, counting the queue being filled and
+# the spare buffer a fold hands back).
 MAX_JOBS = 2
 # The worker thread ends after this many idle seconds (a probe never closed leaves no thread behind for
 # long); the next fold starts another.
