@@ -325,23 +325,34 @@ def fix_bench(d: Data, seeds: list[int], epochs: int, regimes: list[str]) -> Non
 
 
 # -- overhead ----------------------------------------------------------------------------------------------
-def _time_steps(step_fn, n: int) -> float:
-    t0 = time.perf_counter()
+def _time_steps(step_fn, n: int) -> tuple[float, float]:
+    """Wall and process CPU time per step (CPU time counts every thread: the probe's worker too)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
         step_fn()
-    return (time.perf_counter() - t0) / n
+    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+
+
+def _attach_embeddings(model, opt, background: bool):
+    old = Embeddings.background
+    Embeddings.background = background
+    try:
+        return probes.attach(model, opt, sink=probes.MemorySink(), collections={"embeddings": 50})
+    finally:
+        Embeddings.background = old
 
 
 def overhead(d: Data, repeats: int, steps: int) -> None:
-    print(f"\n== overhead: step time with the embeddings collection on vs off (alternating repeats, medians) ==")
+    print(f"\n== overhead: step time with the embeddings collection on vs off (alternating repeats, medians; "
+          f"'on': folds and reports on the probe's worker thread, 'inline': on the training thread; "
+          f"wall ratio, then process CPU-time ratio, which counts the worker's work) ==")
 
-    def setup_ml(on: bool):
+    def setup_ml(on: bool, background: bool = True):
         torch.manual_seed(0)
         model = MF(d.n_users, d.n_items, float(d.ratings.mean()))
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        probe = probes.attach(model, opt, sink=probes.MemorySink(), collections={"embeddings": 50}) if on else None
+        probe = _attach_embeddings(model, opt, background) if on else None
         g = torch.Generator().manual_seed(0)
-        state = {"k": 0}
 
         def step():
             idx = torch.randint(0, len(d.ratings), (BATCH,), generator=g)
@@ -353,13 +364,14 @@ def overhead(d: Data, repeats: int, steps: int) -> None:
                 probe.step(loss=loss)
         return step, probe
 
-    def setup_big(on: bool, sparse: bool, rows: int = 1_000_000, dim: int = 32, batch: int = 1024):
+    def setup_big(on: bool, sparse: bool, rows: int = 1_000_000, dim: int = 32, batch: int = 1024,
+                  background: bool = True):
         torch.manual_seed(0)
         item = torch.nn.Embedding(rows, dim, sparse=sparse)
         user = torch.nn.Embedding(10_000, dim, sparse=sparse)
         model = torch.nn.ModuleDict({"item": item, "user": user})
         opt = torch.optim.SparseAdam(model.parameters(), lr=1e-3) if sparse else torch.optim.Adam(model.parameters(), lr=1e-3)
-        probe = probes.attach(model, opt, sink=probes.MemorySink(), collections={"embeddings": 50}) if on else None
+        probe = _attach_embeddings(model, opt, background) if on else None
         g = torch.Generator().manual_seed(0)
         # Zipf-like popularity, as in recommender logs.
         weights = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 0.8
@@ -375,28 +387,35 @@ def overhead(d: Data, repeats: int, steps: int) -> None:
                 probe.step(loss=loss)
         return step, probe
 
-    cases = [("ML-100k MF, Adam, batch 256", lambda on: setup_ml(on), steps),
-             ("1M x 32 table, dense grads + Adam, batch 1024", lambda on: setup_big(on, False), max(steps // 20, 5)),
-             ("1M x 32 table, sparse grads + SparseAdam, batch 1024", lambda on: setup_big(on, True), steps)]
+    cases = [("ML-100k MF, Adam, batch 256", lambda on, bg: setup_ml(on, bg), steps),
+             ("1M x 32 table, dense grads + Adam, batch 1024", lambda on, bg: setup_big(on, False, background=bg),
+              max(steps // 20, 5)),
+             ("1M x 32 table, sparse grads + SparseAdam, batch 1024", lambda on, bg: setup_big(on, True, background=bg),
+              steps)]
+    arms = {"off": (False, False), "on": (True, True), "inline": (True, False)}
     for label, setup, n in cases:
-        ratios, offs, ons = [], [], []
-        runs = {on: setup(on) for on in (False, True)}
+        runs = {arm: setup(*how) for arm, how in arms.items()}
         for fn, _ in runs.values():
             _time_steps(fn, max(n // 5, 5))  # warm up
+        times: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
         for _ in range(repeats):
-            off = _time_steps(runs[False][0], n)
-            on = _time_steps(runs[True][0], n)
-            offs.append(off)
-            ons.append(on)
-            ratios.append(on / off)
-        probe = runs[True][1]
+            for arm in arms:
+                times[arm].append(_time_steps(runs[arm][0], n))
+        probe = runs["on"][1]
         coll = next(c for c in probe.collections if isinstance(c, Embeddings))
         state_mb = sum(t.state_bytes() for t in coll.tables) / 2**20
         table_mb = sum(t.weight.numel() * t.weight.element_size() for t in coll.tables) / 2**20
-        probe.close()
-        print(f"{label}: off {statistics.median(offs) * 1e3:.3f} ms/step, on {statistics.median(ons) * 1e3:.3f} ms/step, "
-              f"ratio {statistics.median(ratios):.3f}x (per-repeat {', '.join(f'{r:.2f}' for r in ratios)}); "
-              f"row state {state_mb:.1f} MB for {table_mb:.1f} MB of tables")
+        for arm in ("on", "inline"):
+            runs[arm][1].close()
+        off = times["off"]
+        cells = [f"off {statistics.median(w for w, _ in off) * 1e3:.3f} ms/step"]
+        for arm in ("on", "inline"):
+            wall = [a[0] / b[0] for a, b in zip(times[arm], off)]
+            cpu = [a[1] / b[1] for a, b in zip(times[arm], off)]
+            cells.append(f"{arm} {statistics.median(w for w, _ in times[arm]) * 1e3:.3f} ms/step, "
+                         f"wall {statistics.median(wall):.3f}x ({', '.join(f'{r:.2f}' for r in wall)}), "
+                         f"CPU {statistics.median(cpu):.3f}x ({', '.join(f'{r:.2f}' for r in cpu)})")
+        print(f"{label}: " + "; ".join(cells) + f"; row state {state_mb:.1f} MB for {table_mb:.1f} MB of tables")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,10 @@ one sort of the queued (row, step) pairs, then a fixed number of vectorised oper
 steps in order (TableState.flush). A report costs O(rows touched since the last report + TOP_ROWS +
 SAMPLE_ROWS): counters are kept as rows change, the worst-row lists are re-ranked over the rows that
 changed plus the previous lists, and medians and the collapse statistics come from a fixed random
-sample of rows.
+sample of rows. For CPU tables, where torch's intra-op threads leave a core free, folds and reports run
+on a background thread (_Worker; ATen releases the GIL, so they overlap the training thread while that
+core is free); a report then reaches the sender at the next drain (the next report or flush), like a
+CUDA copy still in flight. On CUDA they stay inline: their kernels are asynchronous already.
 
 A row counts as touched when the model looked it up *and* its gradient row is non-zero: a whole-table
 L2 penalty in the loss gives every row a gradient, but only rows the model looked up are touched, so
@@ -43,7 +46,11 @@ never as dead.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+import os
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -76,6 +83,14 @@ SAMPLE_ROWS = 4096
 # the rows, three copies) are queued, whichever comes first.
 FLUSH_STEPS = 64
 FLUSH_VALUES = 1 << 21
+# CPU tables are folded and reported on a background thread (_Worker). At most this many folds are queued
+# or running; past that the training thread waits for them and folds inline (back-pressure: the queued
+# copies stay within (MAX_JOBS + 2) x the FLUSH_VALUES bound above, counting the queue being filled and
+# the spare buffer a fold hands back).
+MAX_JOBS = 2
+# The worker thread ends after this many idle seconds (a probe never closed leaves no thread behind for
+# long); the next fold starts another.
+WORKER_IDLE_S = 30.0
 
 
 def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, list[torch.nn.Module]]]:
@@ -130,18 +145,35 @@ class TableState:
         self._cur: tuple | None = None
         self.pending: list[tuple] = []
         self.pending_rows = 0
+        # On the CPU the copies go into a reused (3, capacity, width) buffer (gradient rows, rows before,
+        # rows after) instead of three fresh tensors a step: the allocations and the memory they churned
+        # cost ~0.25 ms of a 1.3 ms ML-100k step. A queue takes its buffer to fold(), which hands it back
+        # as the spare; a step that does not fit gets fresh tensors.
+        self.reuse_buffers = dev.type == "cpu"
+        self._buf: torch.Tensor | None = None
+        self._buf_at = 0
+        self._spare: torch.Tensor | None = None
         # Rows updated at least once, non-finite, and eligible (>= MIN_TOUCHES updates, finite), kept as
         # rows change so that a report does not count them over the whole table.
         self.counts = torch.zeros(3, dtype=torch.long, device=dev)
+        # The collection's background worker (CPU tables), which folds queued steps into _state: every
+        # reader outside it waits for the folds in flight (see state).
+        self.worker: _Worker | None = None
 
     def state_bytes(self) -> int:
         return self._state.numel() * self._state.element_size()
 
     @property
     def state(self) -> torch.Tensor:
-        """The per-row statistics, with every queued step folded in."""
-        if self.pending:
-            self.flush()
+        """The per-row statistics, with every queued step folded in. Outside the worker thread this waits
+        for the folds in flight, then folds what is still queued; on it (a fold, a report), it is the
+        state as folded so far (the queue belongs to the training thread)."""
+        worker = self.worker
+        if worker is None or not worker.on_thread():
+            if worker is not None:
+                worker.wait()
+            if self.pending:
+                self.flush()
         return self._state
 
     # Views of the state's columns (reads; the tracked step writes whole rows).
@@ -187,8 +219,32 @@ class TableState:
             if not lookups:
                 return
             ids = lookups[0] if len(lookups) == 1 else torch.cat(lookups)
-            g = grad.index_select(0, ids)
-        self._cur = (ids, g, w.detach().index_select(0, ids))
+            g = None
+        at = self._reserve(ids.numel()) if self.reuse_buffers else None
+        if g is None:
+            g = self._copy_rows(grad, ids, 0, at)
+        self._cur = (ids, g, self._copy_rows(w.detach(), ids, 1, at), at)
+
+    def _reserve(self, n: int) -> int | None:
+        """Where this step's rows go in the queue's buffer; None: fresh tensors."""
+        buf = self._buf
+        if buf is None:
+            buf, self._spare = self._spare, None
+            # Room for the queue's bound (FLUSH_STEPS steps of this size, at most FLUSH_VALUES values).
+            cap = max(n, min(n * FLUSH_STEPS, FLUSH_VALUES // self.dim + n))
+            if buf is None or buf.shape[1] < cap or buf.dtype != self.weight.dtype:
+                buf = torch.empty(3, cap, self.dim, dtype=self.weight.dtype, device=self.weight.device)
+            self._buf, self._buf_at = buf, 0
+        at = self._buf_at
+        if at + n > buf.shape[1]:
+            return None
+        self._buf_at = at + n
+        return at
+
+    def _copy_rows(self, src: torch.Tensor, ids: torch.Tensor, slot: int, at: int | None) -> torch.Tensor:
+        if at is None or src.dtype != self._buf.dtype:
+            return src.index_select(0, ids)
+        return torch.index_select(src, 0, ids, out=self._buf[slot, at:at + ids.numel()])
 
     def update(self, step: int, with_delta: bool) -> None:
         """After the optimizer step (or at probe.step without an optimizer): the rows' values after it.
@@ -197,30 +253,50 @@ class TableState:
         cur, self._cur = self._cur, None
         if cur is None:
             return
-        ids, g, before = cur
-        after = self.weight.detach().index_select(0, ids)
+        ids, g, before, at = cur
+        after = self._copy_rows(self.weight.detach(), ids, 2, at)
         self.pending.append((ids, g, before if with_delta else None, after))
         self.pending_rows += ids.numel()
 
     def flush_due(self) -> bool:
         return len(self.pending) >= FLUSH_STEPS or self.pending_rows * self.dim >= FLUSH_VALUES
 
+    def take(self) -> tuple[list[tuple], torch.Tensor | None]:
+        """The queued steps and the buffer holding their copies, handed to fold() (here or on the worker);
+        the queue starts empty again, in another buffer."""
+        pending, self.pending, self.pending_rows = self.pending, [], 0
+        buf, self._buf = self._buf, None
+        if self._cur is not None and self._cur[3] is not None:  # taken mid-step: that step's copies leave it
+            ids, g, before, _ = self._cur
+            self._cur = (ids, g if isinstance(g, tuple) else g.clone(), before.clone(), None)
+        return pending, buf
+
     def flush(self, entries: dict | None = None) -> None:
-        """Fold the queued steps into the rows' statistics, in step order, with a fixed number of vectorised
+        """Fold the queued steps into the statistics now (after the folds in flight on the worker)."""
+        if self.worker is not None:
+            self.worker.wait()
+        self.fold(*self.take(), entries=entries)
+
+    def fold(self, pending: list[tuple], buf: torch.Tensor | None = None, entries: dict | None = None) -> None:
+        """Fold queued steps into the rows' statistics, in step order, with a fixed number of vectorised
         operations whatever the number of steps: each statistic is a recurrence x_j = (1 - a_j) x_{j-1} +
         a_j y_j over a row's successive touches, which is solved for all rows and steps at once by a
         segmented parallel scan (log2(steps) rounds). O(lookups queued x width)."""
-        pending, self.pending, self.pending_rows = self.pending, [], 0
-        if not pending:
-            return
-        with torch.no_grad():
-            self._fold(pending, entries)
+        try:
+            if pending:
+                with torch.no_grad():
+                    self._fold(pending, entries, buf)
+        finally:
+            if buf is not None:
+                self._spare = buf  # read again only once the fold is done with it
 
-    def _fold(self, pending: list, entries: dict | None = None) -> None:
+    def _fold(self, pending: list, entries: dict | None = None, buf: torch.Tensor | None = None) -> None:
         dev, k, n_steps = self.weight.device, self.k, len(pending)
         # One entry per (row, step), sorted by row, then step: a row's touches are consecutive, in order.
         # Tables looked up with the same index tensors (a user table and its bias table) share the sort.
-        ident = tuple(id(p[0]) for p in pending)
+        # The forward hooks keep a view of each lookup's input, so two tables' views of one input have the
+        # same memory, length and stride (while queued, every view holds its memory: no address reuse).
+        ident = tuple((p[0].data_ptr(), p[0].numel(), p[0].stride(0)) for p in pending)
         ids = torch.cat([p[0] for p in pending])
         if entries is not None and ident in entries:
             entry, inv, count = entries[ident]
@@ -236,9 +312,9 @@ class TableState:
         # |element| after the step (finiteness), the norm of its step, the gradient's largest |element|
         # (zero: no gradient; NaN or inf: a non-finite gradient) and its sketch. Then one copy per (row,
         # step). (abs().amax: linalg.vector_norm with ord 1 or inf is ~10x slower on CPU.)
-        after = torch.cat([p[3] for p in pending]).float()
+        after = _joined([p[3] for p in pending], buf, 2).float()
         if all(p[2] is not None for p in pending):
-            step_norm = (after - torch.cat([p[2] for p in pending]).float()).pow(2).sum(dim=1).sqrt()
+            step_norm = (after - _joined([p[2] for p in pending], buf, 1).float()).pow(2).sum(dim=1).sqrt()
             has_delta = torch.ones((), device=dev)
         else:
             step_norm = torch.cat([torch.linalg.vector_norm(p[3].float() - p[2].float(), dim=1) if p[2] is not None
@@ -247,7 +323,7 @@ class TableState:
         per_lookup = [_max_abs(after), step_norm, has_delta.expand(after.shape[0])]
         if all(isinstance(p[1], torch.Tensor) for p in pending):
             # A dense gradient's row is the same at every lookup of it: reduce per lookup, keep one.
-            g = torch.cat([p[1] for p in pending]).float()
+            g = _joined([p[1] for p in pending], buf, 0).float()
             e = torch.cat([torch.stack([*per_lookup, _max_abs(g)], dim=1), self._sketch(g)], dim=1)
             e = torch.zeros(E, e.shape[1], device=dev).index_copy_(0, inv, e)
         else:
@@ -400,8 +476,14 @@ class TableState:
         return torch.where(el, score, torch.full_like(score, float("-inf")))
 
     # -- a report --------------------------------------------------------------------------------------
-    def report(self, step: int) -> tuple[torch.Tensor, dict]:
+    def snapshot(self) -> torch.Tensor | None:
+        """The sampled rows' values that a report's collapse statistics read, copied at the report's step
+        (the report may run on the worker while the optimizer moves the rows). O(SAMPLE_ROWS x width)."""
+        return self.weight.detach().index_select(0, self.sample) if self.dim >= 4 else None
+
+    def report(self, step: int, sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """Pack the table's summary into one float64 tensor (one host copy) and a decoding plan.
+        ``sampled``: snapshot() taken at the report's step (else the rows are read now).
 
         O(rows touched since the last report + TOP_ROWS + SAMPLE_ROWS): the lists are re-ranked over
         the rows that changed plus the previous lists (a row nobody touched kept its statistics)."""
@@ -429,6 +511,7 @@ class TableState:
         self.nonfinite_ids = cand[self.bad_of(cand)][:k]
         self._refill_dead(k)
 
+        # On the worker, read a step or two after the report's step: a row gone NaN or inf stays so.
         bad = w.index_select(0, self.nonfinite_ids)
         touched_count, nonfinite_count, eligible_count = self.counts.unbind()  # kept by flush(): no O(rows) pass
         untouched_bad = (self.touches.index_select(0, self.nonfinite_ids) == 0).sum()
@@ -437,12 +520,15 @@ class TableState:
         st = self.sample
         el = (self.touches.index_select(0, st) >= MIN_TOUCHES) & ~self.bad_of(st)
         neg = (el & (self.consistency_of(st) < 0)).sum().double() / el.sum().clamp_min(1).double()
-        rank, cosine, sampled = self._collapse()
-        noise = self.noise_excess
+        rank, cosine, sampled = self._collapse(sampled)
+        occ_ref = torch.nan_to_num(self.occ_median, nan=float("inf")).clamp_min(1e-30)
 
         def rows_of(i: torch.Tensor) -> list[torch.Tensor]:
-            return [i.double(), self.touches[i].double(), self.velocity[i].double(),
-                    self.consistency_of(i).double(), self.snr(i).double(), noise(i).double()]
+            # One gather of the rows' state, then what consistency_of, snr and noise_excess compute, on it.
+            r = self._state.index_select(0, i)[:, :7].t()
+            cols = torch.stack([r[0], r[1], r[2] / r[3].clamp_min(1e-30), r[5] / (r[4] - r[5]).clamp_min(1e-30),
+                                r[6] / occ_ref])
+            return [i.double(), cols.double().reshape(-1)]
 
         f64 = torch.float64
         scalars = torch.stack([torch.tensor(float(R), device=dev, dtype=f64), touched_count.to(f64),
@@ -474,16 +560,17 @@ class TableState:
             self.dead_scan = int(found[-1]) + 1 if ids.numel() >= k and found.numel() else hi
         self.dead_ids = ids
 
-    def _collapse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _collapse(self, sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dev = self.weight.device
         nan = torch.tensor(float("nan"), device=dev)
         if self.dim < 4:
             return nan, nan, torch.zeros((), device=dev)
         st = self.sample
-        idx = st[(self.touches.index_select(0, st) > 0) & ~self.bad_of(st)][:COLLAPSE_SAMPLE]
+        ok = (self.touches.index_select(0, st) > 0) & ~self.bad_of(st)
+        idx = st[ok][:COLLAPSE_SAMPLE]
         if idx.numel() < 2:
             return nan, nan, torch.tensor(float(idx.numel()), device=dev)
-        x = self.weight.detach().index_select(0, idx).float()
+        x = (self.weight.detach().index_select(0, idx) if sampled is None else sampled[ok][:COLLAPSE_SAMPLE]).float()
         x = x[torch.isfinite(x).all(dim=1)]  # a row can go NaN without a touch (dense optimizer state)
         if x.shape[0] < 2:
             return nan, nan, torch.tensor(float(x.shape[0]), device=dev)
@@ -500,6 +587,22 @@ def _counts(state_rows: torch.Tensor) -> torch.Tensor:
     """How many of these rows were updated at least once, are non-finite, are eligible."""
     t, bad = state_rows[:, 0], state_rows[:, 7] > 0
     return torch.stack([(t > 0).sum(), bad.sum(), ((t >= MIN_TOUCHES) & ~bad).sum()])
+
+
+def _joined(parts: list[torch.Tensor], buf: torch.Tensor | None, slot: int) -> torch.Tensor:
+    """torch.cat(parts), read (not copied) from the queue's buffer when the parts lie there end to end,
+    as every step's copies do unless one did not fit."""
+    if buf is not None:
+        whole = buf[slot]
+        base, row = whole.data_ptr(), whole.stride(0) * whole.element_size()
+        n = 0
+        for p in parts:
+            if p.dtype != whole.dtype or p.data_ptr() != base + n * row:
+                break
+            n += p.shape[0]
+        else:
+            return whole[:n]
+    return torch.cat(parts)
 
 
 def _max_abs(x: torch.Tensor) -> torch.Tensor:
@@ -527,7 +630,7 @@ def _ema_scan(rate: torch.Tensor, y: torch.Tensor, x0: torch.Tensor, first: torc
     return b
 
 
-def _decode(name: str, table: TableState, raw: list[float], plan: dict) -> dict:
+def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_steps: int) -> dict:
     def num(x: float) -> float | None:
         return x if math.isfinite(x) else None
 
@@ -545,7 +648,7 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict) -> dict:
                 for j in range(len(cols[0]))]
 
     summary = {
-        "rows": int(rows), "dim": table.dim, "sparse": table.sparse, "tracked_steps": table.tracked_steps,
+        "rows": int(rows), "dim": table.dim, "sparse": table.sparse, "tracked_steps": tracked_steps,
         "touched_rows": int(touched), "window_touched_rows": int(window), "never_updated": int(never),
         "nonfinite_rows": int(nonfinite), "median_touches": num(median), "eligible_rows": int(eligible),
         "negative_consistency_rows": int(negative), "effective_rank": num(rank), "mean_cosine": num(cosine),
@@ -559,12 +662,115 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict) -> dict:
             "inf_count": int(inf_count), "embedding": summary}
 
 
+def _spare_core() -> bool:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() < cores
+
+
+class _Worker:
+    """One background thread that runs a collection's folds and reports in order, for CPU tables: ATen
+    releases the GIL inside its operations, so their compute overlaps the training thread on another
+    core. Bounded: submit() refuses a job while MAX_JOBS are queued or running (the caller then waits and
+    runs it itself). A job's error is kept in ``error`` for the training thread to report; it never
+    reaches the training loop from here."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._jobs: deque[Callable[[], None]] = deque()  # the first one is running
+        self._thread: threading.Thread | None = None
+        self._ident: int | None = None
+        self._stop = False
+        self.error: BaseException | None = None
+
+    def on_thread(self) -> bool:
+        return threading.get_ident() == self._ident
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        with self._cond:
+            if len(self._jobs) >= MAX_JOBS or self._stop:
+                return False
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="traindx-embeddings", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return True
+
+    def wait(self) -> None:
+        """Until every submitted job has finished (at once on the worker itself: its own job is running)."""
+        if self.on_thread():
+            return
+        with self._cond:
+            while self._jobs:
+                self._cond.wait()
+
+    def close(self) -> None:
+        self.wait()
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        self._ident = threading.get_ident()
+        while True:
+            with self._cond:
+                while not self._jobs:
+                    if self._stop or (not self._cond.wait(WORKER_IDLE_S) and not self._jobs):
+                        self._thread, self._ident = None, None  # idents are reused by later threads
+                        return
+                job = self._jobs[0]
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - kept for the training thread, which degrades
+                if self.error is None:
+                    self.error = e
+            with self._cond:
+                self._jobs.popleft()
+                self._cond.notify_all()
+
+
+class _LateReport(HostCopy):
+    """A report that the worker packs (its rows are decoded when it is sent, on the training thread: pure
+    Python on the worker would hold the GIL): done once the worker got to it. A report that failed
+    becomes an error message, so that sending it never raises."""
+
+    def __init__(self, collection: str, step: int, names: list[str]) -> None:
+        self.collection, self.step, self.names = collection, step, names
+        self.time = time.time()
+        self.host, self.ready = None, None
+        self.raw: list[float] | None = None
+        self.to_rows: Callable[[list[str], list[float]], list[dict]] | None = None
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+    def event(self) -> dict:
+        if self.finished.wait(timeout=60.0) and self.raw is not None and self.to_rows is not None:
+            return {"kind": "tensor_stats", "step": self.step, "time": self.time,
+                    "collection": self.collection, "rows": self.to_rows(self.names, self.raw)}
+        why = f"{type(self.error).__name__}: {self.error}" if self.error is not None else "not finished in 60 s"
+        return {"kind": "message", "step": self.step, "time": self.time, "level": "error",
+                "text": f"traindx: the {self.collection} report of step {self.step} was not made ({why})"[:4000]}
+
+
 class Embeddings(Collection):
     """Per-row dynamics of every embedding table; tracked every ``track_every`` steps, reported every
     ``interval`` steps. See the module docstring for what is measured and what it costs."""
 
     name = "embeddings"
     track_every = 1
+    # Fold and report CPU tables on the worker thread: True, False (inline, as on CUDA), or None: when
+    # torch's intra-op threads leave a core of this process free (the worker then competes with nobody
+    # of ours; with every core busy it only adds context switches, measured in docs/embeddings.md).
+    background: bool | None = None
 
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
@@ -572,6 +778,13 @@ class Embeddings(Collection):
         self._handles: list[Any] = []
         self._step = 0
         self._stepped = False
+        self._armed = False
+        # CPU tables fold on a background thread; on CUDA the fold's kernels already run asynchronously.
+        background = self.background if self.background is not None else _spare_core()
+        self._worker = _Worker() if background and self.tables and all(
+            t.weight.device.type == "cpu" for t in self.tables) else None
+        for t in self.tables:
+            t.worker = self._worker
 
     def due(self, step: int) -> bool:
         return bool(self.tables) and (step % self.track_every == 0 or step % self.interval == 0)
@@ -591,69 +804,121 @@ class Embeddings(Collection):
         return None
 
     def arm(self, step: int) -> None:
-        self._step, self._stepped = step, False
+        self._step, self._stepped, self._armed = step, False, True
         for t in self.tables:
             t.lookups = []
+        opt = self.probe.optimizer
+        # With every step tracked the hooks stay on between steps (the probe calls disarm() only after a
+        # tracked step that the next one does not follow): registering and removing six hooks every step
+        # cost ~0.1 ms of a 1.3 ms ML-100k step (docs/embeddings.md). Ours must stay the last optimizer hooks, as when they were
+        # registered each step, so that a fix's hooks (embedding_grad_scale) act before we copy the rows:
+        # a hook registered since puts ours back at the end.
+        if self._handles and (opt is None or (self._last(opt._optimizer_step_pre_hooks) == self._handles[-2].id
+                                              and self._last(opt._optimizer_step_post_hooks) == self._handles[-1].id)):
+            return
+        super().disarm()
+        for t in self.tables:
             for m in t.modules:
                 self._handles.append(m.register_forward_hook(self._on_lookup(t)))
-        opt = self.probe.optimizer
         if opt is not None:
             self._handles += [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
 
     @staticmethod
-    def _on_lookup(t: TableState) -> Any:
+    def _last(hooks: Mapping) -> Any:
+        return next(reversed(hooks), None)
+
+    def _on_lookup(self, t: TableState) -> Any:
         def hook(module: torch.nn.Module, args: tuple, out: Any) -> None:
-            # Lookups made without autograd (evaluation) teach the table nothing.
-            if args and isinstance(args[0], torch.Tensor) and torch.is_grad_enabled():
+            # Lookups made without autograd (evaluation) teach the table nothing; kept hooks record nothing
+            # between collect() and the next arm().
+            if self._armed and args and isinstance(args[0], torch.Tensor) and torch.is_grad_enabled():
                 t.lookups.append(args[0].detach().reshape(-1))
         return hook
 
     def _pre(self, *_: Any) -> None:
-        for t in self.tables:
-            t.gather()
+        if self._armed:
+            for t in self.tables:
+                t.gather()
 
     def _post(self, *_: Any) -> None:
-        # Hooks are removed in collect(), not here: torch iterates the hook dict while calling us.
-        if self._stepped:
+        if self._stepped or not self._armed:
             return
         self._stepped = True
         for t in self.tables:
             t.update(self._step, with_delta=True)
 
     def collect(self, step: int) -> list[HostCopy]:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._armed = False
         if not self._stepped:  # no optimizer (or it did not step): gradients only, no deltas
             for t in self.tables:
                 t.gather()
                 t.update(step, with_delta=False)
-        if any(t.flush_due() for t in self.tables) or self.reports(step):
-            entries: dict = {}  # tables looked up with the same indices sort them once
-            for t in self.tables:
-                t.flush(entries)
-        if not self.reports(step):
+        worker = self._worker
+        if worker is not None and worker.error is not None:
+            # Raised here, where the probe logs it and degrades; the steps queued since stay queued.
+            err, worker.error = worker.error, None
+            raise RuntimeError(f"embeddings: a background fold failed: {err!r}") from err
+        reporting = self.reports(step)
+        if not (reporting or any(t.flush_due() for t in self.tables)):
             return []
+        # Tables looked up with the same indices sort them once (entries); a report's copies of the
+        # weight are taken now, at its step.
+        work = [(t, *t.take(), t.snapshot() if reporting else None, t.tracked_steps) for t in self.tables]
+        if worker is None:
+            self._fold_all(work)  # an error raises into collect(): the probe degrades
+            return [HostCopy(self.name, step, *self._pack(step, work))] if reporting else []
+        late = _LateReport(self.name, step, [t.name for t in self.tables]) if reporting else None
+
+        def job() -> None:
+            try:
+                self._fold_all(work)
+                if late is not None:
+                    names, stacked, to_rows = self._pack(step, work)
+                    late.raw, late.to_rows = stacked.tolist(), to_rows
+            except BaseException as e:
+                if late is not None:
+                    late.error = e
+                raise
+            finally:
+                if late is not None:
+                    late.finished.set()
+
+        if not worker.submit(job):  # the worker is behind: wait for it, then fold here (back-pressure)
+            worker.wait()
+            job()  # an error raises into collect(): the probe degrades
+        return [late] if late is not None else []
+
+    @staticmethod
+    def _fold_all(work: list) -> None:
+        entries: dict = {}
+        for t, pending, buf, _, _ in work:
+            t.fold(pending, buf, entries)
+
+    def _pack(self, step: int, work: list) -> tuple[list[str], torch.Tensor, Callable]:
         names, parts, plans = [], [], []
-        for t in self.tables:
-            packed, plan = t.report(step)
+        for t, _, _, sampled, tracked in work:
+            packed, plan = t.report(step, sampled)
             names.append(t.name)
             parts.append(packed)
-            plans.append((t, packed.numel(), plan))
+            plans.append((t, packed.numel(), plan, tracked))
 
         def to_rows(names: list[str], raw: list[float]) -> list[dict]:
             rows, at = [], 0
-            for name, (t, n, plan) in zip(names, plans):
-                rows.append(_decode(name, t, raw[at:at + n], plan))
+            for name, (t, n, plan, tracked) in zip(names, plans):
+                rows.append(_decode(name, t, raw[at:at + n], plan, tracked))
                 at += n
             return rows
 
-        return [HostCopy(self.name, step, names, torch.cat(parts), to_rows)]
+        return names, torch.cat(parts), to_rows
+
+    def disarm(self) -> None:
+        self._armed = False
+        super().disarm()
 
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.disarm()
+        if self._worker is not None:
+            self._worker.close()  # the reports in flight are finished: the probe sends them next
 
 
 # -- the live fix ----------------------------------------------------------------------------------------

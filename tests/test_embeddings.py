@@ -199,6 +199,208 @@ def test_sparse_adam_and_untracked_steps() -> None:
     assert e["touched_rows"] == 10 and e["never_updated"] == 40 and e["sparse"] is True
 
 
+def test_hooks_stay_on_while_every_step_is_tracked_and_come_off_otherwise() -> None:
+    """Tracked every step, the hooks are registered once, not every step; they stay the optimizer's last
+    hooks (a fix's hooks act before the rows are copied); they come off when the next step is not
+    tracked and at close."""
+    model = Toy(rows=12, dim=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, _ = attach(model, opt)
+    coll = next(c for c in probe.collections if isinstance(c, Embeddings))
+
+    def hooks() -> tuple[int, int, int]:
+        return (len(model.table._forward_hooks), len(opt._optimizer_step_pre_hooks),
+                len(opt._optimizer_step_post_hooks))
+
+    ids = torch.arange(8)
+    train(model, probe, 3, ids=ids, opt=opt)
+    handles = list(coll._handles)
+    train(model, probe, 3, ids=ids, opt=opt)
+    assert coll._handles == handles and hooks() == (1, 1, 1)
+    fix = opt.register_step_post_hook(lambda *_: None)  # as embedding_grad_scale registers its own
+    train(model, probe, 1, ids=ids, opt=opt)
+    assert next(reversed(opt._optimizer_step_post_hooks)) == coll._handles[-1].id and hooks() == (1, 1, 2)
+    fix.remove()
+    assert int(table_state(probe).touches[0]) == 7  # every step counted once, whatever happened to the hooks
+    coll.track_every = 3  # step 8 is not tracked (nor reported): the hooks come off after step 7
+    train(model, probe, 1, ids=ids, opt=opt)
+    assert hooks() == (0, 0, 0)
+    train(model, probe, 1, ids=ids, opt=opt)
+    assert hooks() == (1, 1, 1)
+    probe.close()
+    assert hooks() == (0, 0, 0)
+
+
+def _two_tables() -> torch.nn.Module:
+    class TwoTables(torch.nn.Module):  # a user table and its bias table, looked up with the same ids
+        def __init__(self) -> None:
+            super().__init__()
+            self.user, self.user_bias = torch.nn.Embedding(40, 12), torch.nn.Embedding(40, 1)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return (self.user(ids).sum(dim=1, keepdim=True) + self.user_bias(ids)).squeeze(1)
+    torch.manual_seed(0)
+    return TwoTables()
+
+
+def _run_two_tables(background: bool, steps: int = 45) -> tuple[list, list[torch.Tensor]]:
+    model = _two_tables()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    old = Embeddings.background
+    Embeddings.background = background
+    try:
+        probe, sink = attach(model, opt, interval=10)
+    finally:
+        Embeddings.background = old
+    coll = next(c for c in probe.collections if isinstance(c, Embeddings))
+    assert (coll._worker is not None) == background
+    gen = torch.Generator().manual_seed(3)
+    for step in range(steps):
+        ids = torch.randint(0, 25, (16,), generator=gen)
+        loss = (model(ids) - torch.randn(16, generator=gen)).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+    states = [t.state.clone() for t in coll.tables]
+    probe.close()
+    return [(s, r["name"], r["embedding"]) for s, r in summaries(sink)], states
+
+
+def test_background_folds_and_reports_equal_inline_ones() -> None:
+    """Folded on the worker thread or inline, the statistics and every report are the same; the user table
+    and its bias table (same ids) share one sort."""
+    inline, inline_states = _run_two_tables(False)
+    background, background_states = _run_two_tables(True)
+    assert [s for s, _, _ in background] == [0, 0, 10, 10, 20, 20, 30, 30, 40, 40]
+    assert background == inline
+    for a, b in zip(background_states, inline_states):
+        assert torch.equal(a, b)
+    t = TableState("w", torch.nn.Embedding(5, 3).weight, [])
+    shared = torch.tensor([0, 1, 1, 2])
+    entries: dict = {}
+    for table in (t, TableState("b", torch.nn.Embedding(5, 1).weight, [])):
+        table.lookups = [shared[:]]  # each table's hook keeps its own view of the input
+        table.weight.grad = torch.ones_like(table.weight)
+        table.gather()
+        table.update(0, with_delta=True)
+        table.fold(*table.take(), entries=entries)
+    assert len(entries) == 1
+
+
+def test_copies_reuse_one_buffer_and_survive_a_fold_mid_step() -> None:
+    emb = torch.nn.Embedding(20, 4)
+    t = TableState("w", emb.weight, [emb])
+
+    def gather(ids: torch.Tensor) -> None:
+        emb.zero_grad()
+        (emb(ids) * torch.arange(1.0, 5.0)).sum().backward()
+        t.lookups = [ids]
+        t.gather()
+
+    ids = torch.arange(5)
+    gather(ids)
+    t.update(0, with_delta=True)
+    buf = t._buf
+    assert t.pending[-1][3].data_ptr() == buf[2].data_ptr()  # copied into the buffer, not a fresh tensor
+    t.flush()
+    gather(ids)
+    t.update(1, with_delta=True)
+    assert t._buf is buf  # the fold handed it back
+    gather(torch.arange(20).repeat(50))  # 1,000 lookups: more than the buffer holds (5 x FLUSH_STEPS rows)
+    t.update(2, with_delta=True)
+    assert t.pending[-1][1].untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    gather(ids)
+    t.flush()  # a reader folds the queue between the optimizer's pre and post hooks
+    t._reserve(5)
+    t._buf.fill_(float("nan"))  # the next queue overwrites the buffer the taken step was copied into
+    t.update(3, with_delta=True)
+    assert torch.equal(t.pending[-1][1], emb.weight.grad[ids]) and torch.isfinite(t.pending[-1][2]).all()
+    assert t.touches[:5].tolist() == [4.0] * 5
+
+
+@pytest.fixture
+def background(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Embeddings, "background", True)
+
+
+def test_the_worker_runs_only_where_a_core_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default the folds go to the worker only when torch's own threads leave a core free."""
+    model = _two_tables()
+    for threads, worker in ((1, True), (4096, False)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+        probe, _ = attach(model, None)
+        assert (next(c for c in probe.collections if isinstance(c, Embeddings))._worker is not None) == worker
+        probe.close()
+
+
+def test_a_failing_background_fold_degrades_and_never_raises(background: None) -> None:
+    model = _two_tables()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    probe, sink = attach(model, opt, interval=5)
+    coll = next(c for c in probe.collections if isinstance(c, Embeddings))
+    assert coll._worker is not None
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("fold broke")
+
+    coll.tables[0]._fold = broken
+    ids = torch.arange(8)
+    for _ in range(12):
+        loss = model(ids).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)  # never raises
+    probe.close()
+    texts = [e["text"] for b in sink.batches for e in b["events"] if e["kind"] == "message"]
+    # Each report became an error message, and the probe logged the error where it degrades.
+    assert any(x.startswith("traindx: the embeddings report of step 5 was not made") and "fold broke" in x for x in texts)
+    assert any(x.startswith("probe error in step") and "fold broke" in x for x in texts)
+    assert coll._worker._thread is None or not coll._worker._thread.is_alive()
+
+
+def test_the_worker_queue_is_bounded(background: None) -> None:
+    """A slow worker makes the training thread wait and fold inline: never more than MAX_JOBS folds queued."""
+    import threading
+
+    from probes import embeddings as emb
+
+    model = _two_tables()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    probe, _ = attach(model, opt, interval=1)  # a fold and a report every step
+    coll = next(c for c in probe.collections if isinstance(c, Embeddings))
+    gate = threading.Event()
+    fold = TableState.fold
+    seen: list[bool] = []
+    threading.Timer(0.5, gate.set).start()  # the worker stalls for half a second
+
+    def slow(self: TableState, pending: list, buf: torch.Tensor | None = None, entries: dict | None = None) -> None:
+        inline = not coll._worker.on_thread()
+        if not inline:
+            gate.wait(timeout=5.0)
+        seen.append(inline)
+        fold(self, pending, buf, entries)
+
+    TableState.fold = slow
+    try:
+        ids = torch.arange(8)
+        for step in range(6):
+            loss = model(ids).pow(2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            probe.step(loss=loss)
+            assert len(coll._worker._jobs) <= emb.MAX_JOBS
+    finally:
+        TableState.fold = fold
+        gate.set()
+    assert int(coll.tables[0].touches[0]) == 6  # every step folded once, in order
+    assert any(seen) and not all(seen)  # some folds ran on the training thread, after waiting
+    probe.close()
+
+
 # -- rules ---------------------------------------------------------------------------------------------------
 def obs_of(sink: probes.MemorySink) -> Observations:
     obs = Observations(run="emb", interval=10)
