@@ -34,8 +34,8 @@ SAMPLE_ROWS): counters are kept as rows change, the worst-row lists are re-ranke
 changed plus the previous lists, and medians and the collapse statistics come from a fixed random
 sample of rows. For CPU tables, where torch's intra-op threads leave a core free, folds and reports run
 on a background thread (_Worker; ATen releases the GIL, so they overlap the training thread while that
-core is free); a report then reaches the sender at the next drain (the next report or flush), like a
-CUDA copy still in flight. On CUDA they stay inline: their kernels are asynchronous already.
+core is free); a report then reaches the sender at the first step after it is finished, like a CUDA
+copy still in flight. On CUDA they stay inline: their kernels are asynchronous already.
 
 A row counts as touched when the model looked it up *and* its gradient row is non-zero: a whole-table
 L2 penalty in the loss gives every row a gradient, but only rows the model looked up are touched, so

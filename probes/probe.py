@@ -233,8 +233,11 @@ class Probe:
                 if self._capture is not None:
                     self._capture.pause(False)
                 self._due = []
-            elif len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
-                self._flush_scalars()
+            else:
+                if self._in_flight:  # statistics still on their way (a CUDA copy, a report on a worker thread)
+                    self._drain_in_flight(wait=False)
+                if len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
+                    self._flush_scalars()
             if self._capture is not None:
                 self._capture.step()
                 if step >= self._capture.last_step:
@@ -437,8 +440,11 @@ class Probe:
             self._flush_scalars(step)
             self._drain_in_flight(wait=False)
             self._send_user_spans(step)
-        elif len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
-            self._flush_scalars()
+        else:
+            if self._in_flight:  # what finished since (a report made on a worker thread) goes now, not at the next report
+                self._drain_in_flight(wait=False)
+            if len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
+                self._flush_scalars()
 
     def reset_step_times(self) -> None:
         self.step_time_sum = self.step_time_max = 0.0

@@ -324,6 +324,29 @@ def background(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Embeddings, "background", True)
 
 
+def test_a_background_report_is_sent_within_steps_not_an_interval(background: None) -> None:
+    """A report made on the worker is picked up at the first step after it is finished: the rules see
+    the report of step 10 long before the next report (step 20) would have carried it."""
+    model = _two_tables()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    probe, sink = attach(model, opt, interval=10)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(20):
+        ids = torch.randint(0, 25, (16,), generator=gen)
+        loss = (model(ids) - torch.randn(16, generator=gen)).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step > 10:  # give the worker time for the report of step 10: a slow machine is still in time
+            coll = next(c for c in probe.collections if isinstance(c, Embeddings))
+            coll._worker.wait()
+        probe.step(loss=loss)
+        if step == 12:
+            assert probe.sender.flush(10)
+            assert {s for s, _ in summaries(sink)} == {0, 10}
+    probe.close()
+
+
 def test_the_worker_runs_only_where_a_core_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """By default the folds go to the worker only when torch's own threads leave a core free."""
     model = _two_tables()
