@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -227,8 +228,15 @@ def test_writes_committed_together_stay_atomic_each(tmp_path: Path) -> None:
     """Group commit: writes that wait together share a transaction, but one that fails leaves nothing
     of itself behind and takes nothing of the others with it; each caller gets its own result."""
     store = Store(tmp_path)
-    gate = threading.Event()
-    store._jobs.put((lambda conn: gate.wait(10), __import__("concurrent.futures").futures.Future(), False))
+    running, gate = threading.Event(), threading.Event()
+
+    def hold(conn: sqlite3.Connection) -> None:  # occupies the writer while the twelve queue up behind it
+        running.set()
+        gate.wait(30)
+
+    holder = threading.Thread(target=store.write, args=(hold,))
+    holder.start()
+    assert running.wait(30)
 
     def job(i: int):  # noqa: ANN202
         def fn(conn: sqlite3.Connection) -> int:
@@ -249,11 +257,12 @@ def test_writes_committed_together_stay_atomic_each(tmp_path: Path) -> None:
     threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
     for t in threads:
         t.start()
-    while store._jobs.qsize() < 12:  # all twelve queued behind the gate: they will be committed together
-        threading.Event().wait(0.01)
+    deadline = time.monotonic() + 30
+    while store._jobs.qsize() < 12 and time.monotonic() < deadline:  # all twelve queued: committed together
+        time.sleep(0.01)
     gate.set()
-    for t in threads:
-        t.join(10)
+    for t in [holder, *threads]:
+        t.join(30)
     store.close()
     assert results == {i: (f"job {i} refuses" if i % 3 == 0 else i) for i in range(12)}
     with _db(tmp_path) as conn:
