@@ -41,7 +41,10 @@ def test_reads_runs_anomalies_diagnosis_and_series(live) -> None:
         anomalies = dx.anomalies(RUN)
         assert anomalies and all(isinstance(a, Anomaly) for a in anomalies)
         assert [a.kind.value for a in dx.anomalies(RUN, kind="nonfinite")] == ["nonfinite"]
-        assert dx.anomalies(RUN, severity="info") == []
+        # The severity filter: the nonfinite anomaly (critical) is not among the info ones (a step slowed by
+        # a loaded machine may be: step_time_outlier is info).
+        info = dx.anomalies(RUN, severity="info")
+        assert all(a.severity.value == "info" for a in info) and "nonfinite" not in {a.kind.value for a in info}
         assert isinstance(dx.diagnosis(RUN), Diagnosis)
         loss = dx.series(RUN, "loss")
         assert len(loss) >= 60 and all(isinstance(s, int) for s, _ in loss)
