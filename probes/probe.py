@@ -234,10 +234,7 @@ class Probe:
                     self._capture.pause(False)
                 self._due = []
             else:
-                if self._in_flight:  # statistics still on their way (a CUDA copy, a report on a worker thread)
-                    self._drain_in_flight(wait=False)
-                if len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
-                    self._flush_scalars()
+                self._between_reports()
             if self._capture is not None:
                 self._capture.step()
                 if step >= self._capture.last_step:
@@ -441,10 +438,15 @@ class Probe:
             self._drain_in_flight(wait=False)
             self._send_user_spans(step)
         else:
-            if self._in_flight:  # what finished since (a report made on a worker thread) goes now, not at the next report
-                self._drain_in_flight(wait=False)
-            if len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
-                self._flush_scalars()
+            self._between_reports()
+
+    def _between_reports(self) -> None:
+        """On a step that sends no report: statistics that became ready since (a CUDA copy, a report made on
+        a worker thread) go now, not at the next report; a loss buffer at its bound is read early."""
+        if self._in_flight:
+            self._drain_in_flight(wait=False)
+        if len(self._losses) >= MAX_BUFFERED_LOSSES or len(self._amp or ()) >= MAX_BUFFERED_LOSSES:
+            self._flush_scalars()
 
     def reset_step_times(self) -> None:
         self.step_time_sum = self.step_time_max = 0.0

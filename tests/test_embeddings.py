@@ -358,6 +358,19 @@ def test_the_worker_runs_only_where_a_core_is_free(monkeypatch: pytest.MonkeyPat
         probe.close()
 
 
+def _train_on_ids(model: torch.nn.Module, opt: torch.optim.Optimizer, probe: probes.Probe, steps: int,
+                  each=None) -> None:  # noqa: ANN001
+    """Train on ids 0-7 for ``steps`` steps; ``each()``, when given, must hold after every step."""
+    ids = torch.arange(8)
+    for _ in range(steps):
+        loss = model(ids).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+        assert each is None or each()
+
+
 def test_a_failing_background_fold_degrades_and_never_raises(background: None) -> None:
     model = _two_tables()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -369,13 +382,7 @@ def test_a_failing_background_fold_degrades_and_never_raises(background: None) -
         raise RuntimeError("fold broke")
 
     coll.tables[0]._fold = broken
-    ids = torch.arange(8)
-    for _ in range(12):
-        loss = model(ids).pow(2).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        probe.step(loss=loss)  # never raises
+    _train_on_ids(model, opt, probe, 12)  # never raises
     probe.close()
     texts = [e["text"] for b in sink.batches for e in b["events"] if e["kind"] == "message"]
     # Each report became an error message, and the probe logged the error where it degrades.
@@ -408,14 +415,7 @@ def test_the_worker_queue_is_bounded(background: None) -> None:
 
     TableState.fold = slow
     try:
-        ids = torch.arange(8)
-        for step in range(6):
-            loss = model(ids).pow(2).sum()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            probe.step(loss=loss)
-            assert len(coll._worker._jobs) <= emb.MAX_JOBS
+        _train_on_ids(model, opt, probe, 6, each=lambda: len(coll._worker._jobs) <= emb.MAX_JOBS)
     finally:
         TableState.fold = fold
         gate.set()
