@@ -106,6 +106,30 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def cold_memory(pages: int = 500, gaps: tuple[float, ...] = (0.001, 0.3), repeats: int = 7) -> dict[float, float]:
+    """Seconds to read one byte of each of ``pages`` pages last read ``gap`` seconds ago, while this thread
+    kept the CPU busy with other work (as training keeps it between two sampled steps). On bare metal the
+    two gaps differ by cache misses (well under a microsecond a page); on some virtual machines memory left
+    alone for a fraction of a second costs tens of microseconds a page to touch again, and a sampled step,
+    whose code and data were last used one interval earlier, pays that for every page it touches."""
+    buf = torch.ones(pages * 4096, dtype=torch.uint8)
+    view = buf[::4096]
+    view.sum()
+    out = {}
+    for gap in gaps:
+        times = []
+        for _ in range(repeats):
+            end = time.perf_counter() + gap
+            x = 0
+            while time.perf_counter() < end:
+                x += 1
+            t0 = time.perf_counter()
+            view.sum()
+            times.append(time.perf_counter() - t0)
+        out[gap] = statistics.median(times)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=[*MODELS, "all"], default="all")
@@ -133,6 +157,10 @@ def main() -> None:
         config = ("every collection, every step" if args.every_step else
                   f"interval {args.interval}" if args.interval else f"default (interval {probes.DEFAULT_INTERVAL})")
         target = 1.5 if args.every_step else 1.02
+        cold = cold_memory()
+        print(f"this machine: one byte of each of 500 pages, last read 1 ms ago: {cold[0.001] * 1e3:.2f} ms; "
+              f"last read 300 ms ago (about the gap between two sampled steps here): {cold[0.3] * 1e3:.2f} ms "
+              f"({cold[0.3] / cold[0.001]:.0f}x; see cold_memory())")
         print(f"probe overhead, {config}, sink={args.sink}, {args.repeats} alternating repeats x {args.steps} steps")
         for name in (MODELS if args.model == "all" else [args.model]):
             r = measure(name, server=server, repeats=args.repeats, steps=args.steps, every_step=args.every_step,
@@ -144,6 +172,9 @@ def main() -> None:
                   f"ratio {statistics.median(paired):.3f}  (target <= {target}; median of the paired ratios)")
             print(f"  {'':12s} paired ratios {' '.join(f'{x:.3f}' for x in paired)}; ratio of the medians {on / off:.3f}; "
                   f"CPU time ratio {cpu:.3f} (this process, every thread)")
+            every = 1 if args.every_step else (args.interval or probes.DEFAULT_INTERVAL)
+            print(f"  {'':12s} cost of one sampled step: {(on - off) * every * 1e3:.2f} ms "
+                  f"({(on - off) * every / off:.1f} steps without the probe)")
     finally:
         if server_proc is not None:
             server_proc.terminate()

@@ -90,6 +90,11 @@ class Collection:
         """Whether a due step also sends (a collection may track on more steps than it reports)."""
         return True
 
+    def phase_hooks(self) -> dict[str, Callable] | None:
+        """What this collection runs at the step's phase boundaries (see ``Phases``), by boundary: None
+        when it needs none of them, ``{}`` when it only reads their times."""
+        return None
+
     def disarm(self) -> None:
         """Take the hooks off; the probe calls it after a sampled step that the next one does not follow."""
         for h in self._handles:
@@ -98,6 +103,84 @@ class Collection:
 
     def close(self) -> None:
         self.disarm()
+
+
+class Phases:
+    """The boundaries of a sampled step, shared by every collection due in it: one forward pre-hook and
+    one forward hook on the model, one step pre-hook and one step post-hook on the optimizer, registered
+    once for the step (not once per collection that needs them: on a sampled step, hook registrations
+    are a good part of what the probe costs) and kept while consecutive steps are sampled.
+
+    ``marks`` holds the clock at each boundary: ``fwd0``, ``fwd1`` (the first forward's start and end),
+    ``fwd1_last`` (the last forward's end, with several forwards in a step), ``opt0``, ``opt1``. At a
+    start boundary the collections' callbacks run before the mark and at an end boundary after it, so
+    the phase times leave out what the probe itself does there.
+    """
+
+    KEYS = ("fwd0", "fwd1", "opt0", "opt1")
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.model_hooks = compiled(model) != "in-place"  # hooks would run inside the compiled graph
+        self.marks: dict[str, float] = {}
+        self.step: int | None = None  # the step armed for
+        self._calls: dict[str, tuple[Callable, ...]] = {k: () for k in self.KEYS}
+        self._handles: list[Any] = []
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
+
+    def arm(self, step: int, collections: list[Collection]) -> None:
+        """Before ``step``: the callbacks of the collections due then; the hooks go on when any wants them."""
+        self.marks, self.step = {}, step
+        calls: dict[str, list[Callable]] = {k: [] for k in self.KEYS}
+        wanted = False
+        for c in collections:
+            hooks = c.phase_hooks()
+            if hooks is not None:
+                wanted = True
+                for key, fn in hooks.items():
+                    calls[key].append(fn)
+        self._calls = {k: tuple(v) for k, v in calls.items()}
+        if not wanted:
+            self.disarm()
+        elif not self._handles:
+            if self.model_hooks:
+                self._handles += [self.model.register_forward_pre_hook(self._fwd0),
+                                  self.model.register_forward_hook(self._fwd1)]
+            if self.optimizer is not None:
+                self._handles += [self.optimizer.register_step_pre_hook(self._opt0),
+                                  self.optimizer.register_step_post_hook(self._opt1)]
+
+    def disarm(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._calls = {k: () for k in self.KEYS}
+
+    def _fwd0(self, *args: Any) -> None:
+        for fn in self._calls["fwd0"]:
+            fn(*args)
+        self.marks.setdefault("fwd0", time.perf_counter())
+
+    def _fwd1(self, *args: Any) -> None:
+        now = time.perf_counter()
+        self.marks.setdefault("fwd1", now)
+        self.marks["fwd1_last"] = now
+        for fn in self._calls["fwd1"]:
+            fn(*args)
+
+    def _opt0(self, *args: Any) -> None:
+        for fn in self._calls["opt0"]:
+            fn(*args)
+        self.marks.setdefault("opt0", time.perf_counter())
+
+    def _opt1(self, *args: Any) -> None:
+        self.marks.setdefault("opt1", time.perf_counter())
+        # torch iterates the hook dict while calling us: hooks are removed by the probe after collect()
+        for fn in self._calls["opt1"]:
+            fn(*args)
 
 
 class Weights(Collection):
@@ -152,11 +235,8 @@ class Updates(Collection):
         self._copied = False
         self._result: torch.Tensor | None = None
 
-    def arm(self, step: int) -> None:
-        opt = self.probe.optimizer
-        if opt is None or self._handles:
-            return
-        self._handles = [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
+    def phase_hooks(self) -> dict[str, Callable] | None:
+        return {"opt0": self._pre, "opt1": self._post} if self.probe.optimizer is not None else None
 
     def _pre(self, *_: Any) -> None:
         named = [(n, p) for n, p in self.probe.params if p.grad is not None]
@@ -180,7 +260,6 @@ class Updates(Collection):
         self._copied = bool(params)
 
     def _post(self, *_: Any) -> None:
-        # Hooks are removed by the probe after collect(), not here: torch iterates the hook dict while calling us.
         if not self._copied:
             return
         self._copied = False
@@ -288,13 +367,14 @@ class Activations(Collection):
 
     def arm(self, step: int) -> None:
         self._names, self._stats, self._done, self._last = [], [], False, None
-        model = self.probe.model
         if self.compiled == "in-place" or self._handles:
             return
-        self._handles.append(model.register_forward_pre_hook(self._on_input))
         for name, module in self.leaves:
             self._handles.append(module.register_forward_hook(self._on_output(name)))
-        self._handles.append(model.register_forward_hook(self._on_model_output))
+
+    def phase_hooks(self) -> dict[str, Callable] | None:
+        # the model's input and output: its own forward hooks, shared (see Phases)
+        return None if self.compiled == "in-place" else {"fwd0": self._on_input, "fwd1": self._on_model_output}
 
     def _record(self, name: str, y: Any, module: torch.nn.Module | None) -> None:
         if self._done:
@@ -368,7 +448,6 @@ class System(Collection):
 
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
-        self._marks: dict[str, float] = {}
         self._statm: int | None = None
         self._pid = os.getpid()  # a forked child reads its own statm, not ours through our descriptor
         try:
@@ -376,25 +455,11 @@ class System(Collection):
         except (OSError, AttributeError):
             pass
 
-    def arm(self, step: int) -> None:
-        self._marks = {}
-        if self._handles:
-            return
-        model, opt = self.probe.model, self.probe.optimizer
-        mark = self._mark
-        if compiled(model) != "in-place":  # its forward hooks would run inside the compiled graph
-            self._handles += [model.register_forward_pre_hook(lambda *_: mark("fwd0")),
-                              model.register_forward_hook(lambda *_: mark("fwd1"))]
-        if opt is not None:
-            self._handles += [opt.register_step_pre_hook(lambda *_: mark("opt0")),
-                              opt.register_step_post_hook(lambda *_: mark("opt1"))]
-
-    def _mark(self, key: str) -> None:
-        self._marks.setdefault(key, time.perf_counter())
+    def phase_hooks(self) -> dict[str, Callable] | None:
+        return {}  # reads the phase times only
 
     def collect(self, step: int) -> list[HostCopy]:
-        p, m, out = self.probe, self._marks, {}
-        self._marks = {}  # kept hooks mark nothing for this step any more
+        p, m, out = self.probe, self.probe.phases.marks, {}
         if p.steps_timed:
             out["sys/step_time"] = p.step_time_sum / p.steps_timed
             out["sys/step_time_max"] = p.step_time_max

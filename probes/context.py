@@ -88,12 +88,6 @@ class Timeline(Collection):
             self.comm = _CommTimes(self.cuda)
         if self._handles:  # still on from the sampled step just before
             return
-        model, opt = self.probe.model, self.probe.optimizer
-        self._handles = [model.register_forward_pre_hook(lambda *_: self._mark("fwd0")),
-                         model.register_forward_hook(lambda *_: self._mark("fwd1", last=True))]
-        if opt is not None:
-            self._handles += [opt.register_step_pre_hook(lambda *_: self._mark("opt0")),
-                              opt.register_step_post_hook(lambda *_: self._mark("opt1"))]
         if not self.comm_hooked and self.grad_marks and self.probe.world["world_size"] > 1:
             # Without the timed communication hook, the time from this rank's last gradient being ready
             # to the optimizer step is what it waited for the all-reduce (DDP's backward returns only
@@ -106,15 +100,28 @@ class Timeline(Collection):
             except RuntimeError:  # a wrapper whose parameters take no such hook (some FSDP set-ups): go without
                 self.grad_marks = False
 
+    def phase_hooks(self) -> dict[str, Callable] | None:
+        # The phase times are the probe's (Phases.marks); on CUDA the same boundaries get an event each.
+        if not self.cuda:
+            return {}
+        event = self._event
+        return {"fwd0": lambda *_: event("fwd0"), "fwd1": lambda *_: event("fwd1", last=True),
+                "opt0": lambda *_: event("opt0"), "opt1": lambda *_: event("opt1")}
+
     def _mark(self, key: str, last: bool = False) -> None:
         if key in self._marks and not last:
             return
         self._marks[key] = time.perf_counter()
         if self.cuda:
-            ev = self._events.get(key)
-            if ev is None:
-                ev = self._events[key] = torch.cuda.Event(enable_timing=True)
-            ev.record()  # re-recording moves a mark that is kept at its last reading ("grad", "fwd1")
+            self._event(key, last)
+
+    def _event(self, key: str, last: bool = False) -> None:
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = torch.cuda.Event(enable_timing=True)
+        elif not last:
+            return
+        ev.record()  # re-recording moves a mark that is kept at its last reading ("grad", "fwd1")
 
     # -- the communication hook ----------------------------------------------------------------------
     def install_comm_hook(self, model: torch.nn.Module, hook: Callable | None = None, state: Any = None) -> str | None:
@@ -160,7 +167,9 @@ class Timeline(Collection):
 
     # -- collecting ----------------------------------------------------------------------------------
     def collect(self, step: int) -> list[HostCopy]:
-        p, m = self.probe, self._marks
+        p, phases = self.probe, self.probe.phases.marks
+        m = {"fwd0": phases.get("fwd0"), "fwd1": phases.get("fwd1_last"), "opt0": phases.get("opt0"),
+             "opt1": phases.get("opt1"), **self._marks}
         self._marks = {}  # hooks kept for the next sampled step mark nothing until it is armed
         comm, self.comm = self.comm, None
         end = p.step_called or time.perf_counter()  # the user's step ended when it called probe.step()

@@ -22,7 +22,7 @@ import torch
 from . import fixes
 from .capture import Capture
 from .amp import ScalerWatch
-from .collect import COLLECTIONS, Collection, HostCopy
+from .collect import COLLECTIONS, Collection, HostCopy, Phases
 from .context import Clock, Timeline, UserSpan, new_user_spans, world
 from .rollback import RollbackBuffer
 from .sender import Sender
@@ -184,6 +184,7 @@ class Probe:
         self._capture: Capture | None = None
         self._seen_captures: set[str] = set()
         self._next_due = 0
+        self.phases = Phases(model, optimizer)  # the step-boundary hooks the due collections share
         self._send_run_start()
         for c in self.collections:
             if getattr(c, "note", None):  # what a collection cannot see in this job (a compiled model, say)
@@ -389,6 +390,7 @@ class Probe:
             self._send_user_spans(self._step)
             for c in self.collections:
                 c.close()
+            self.phases.disarm()
             for h in list(self._target.hooks.values()):
                 h.remove()
             self._snapshots.close()
@@ -420,6 +422,7 @@ class Probe:
                                                         default=2**62)
         for c in self._due:
             c.arm(step)
+        self.phases.arm(step, self._due)
 
     def _release(self, sampled: list[Collection]) -> None:
         """Take the hooks off the collections just sampled, but for those armed again for the next step:
@@ -427,6 +430,8 @@ class Probe:
         for c in sampled:
             if c not in self._due:
                 c.disarm()
+        if self.phases.step != self._step:  # not armed again for the next step
+            self.phases.disarm()
 
     def _sample(self, step: int) -> None:
         reporting = False
@@ -658,6 +663,7 @@ class Probe:
         """Take the one-shot hooks of the armed collections off (for eval steps in between)."""
         for c in self._due:
             c.disarm()
+        self.phases.disarm()
 
     def _switch_mode(self, mode: str) -> None:
         if mode == self._mode:
@@ -729,6 +735,7 @@ class Probe:
                     c.close()
                 except Exception:  # noqa: BLE001
                     pass
+            self.phases.disarm()
             self.collections = []
             self._due = []
             self._next_due = 2**62

@@ -82,6 +82,31 @@ def test_unsampled_steps_register_no_hooks():
         assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
 
 
+def test_a_sampled_step_puts_one_hook_on_each_step_boundary_for_all_collections():
+    """Activations, updates, system times and the timeline all act at the model's forward and the
+    optimizer's step: armed for a sampled step, the model and the optimizer carry one hook per boundary,
+    and each collection still gets what it measures there."""
+    model, opt = _mlp()
+    sink = MemorySink()
+    with probes.attach(model, opt, run="phases", sink=sink, interval=5) as probe:
+        _train(probe, model, opt, 5)  # steps 0-4: step 5 is armed now
+        assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == (1, 1)
+        assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == (1, 1)
+        _train(probe, model, opt, 1)
+        assert not model._forward_pre_hooks and not opt._optimizer_step_pre_hooks
+        probe.flush()
+    at5 = [e for e in sink.events if e.get("step") == 5]
+    kinds = {e["collection"] for e in at5 if e["kind"] == "tensor_stats"}
+    assert kinds == {"weights", "gradients", "updates", "activations"}
+    acts = next(e for e in at5 if e["kind"] == "tensor_stats" and e["collection"] == "activations")
+    assert acts["rows"][0]["name"] == "<input>" and acts["rows"][-1]["name"] == "<output>"
+    values = {k: v for e in at5 if e["kind"] == "scalars" for k, v in e["values"].items()}
+    assert all(values[k] > 0 for k in ("sys/forward", "sys/backward", "sys/optimizer"))
+    spans = {s["name"]: s for e in at5 if e["kind"] == "spans" for s in e["spans"]}
+    assert {"step", "forward", "backward", "optimizer"} <= spans.keys()
+    assert spans["forward"]["duration"] == pytest.approx(values["sys/forward"])
+
+
 def test_close_removes_everything_and_two_probes_share_nothing():
     m1, o1 = _mlp()
     m2, o2 = _mlp()
