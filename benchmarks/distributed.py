@@ -208,7 +208,7 @@ def main() -> None:
         proc, url = start_server(Path(tmp) / "data")
         try:
             if args.part in ("all", "overhead"):
-                repeats, steps = (8, 100) if args.quick else (20, 100)
+                repeats, steps = (8, 100) if args.quick else (40, 100)
                 print(f"\n1. probe overhead per rank, 2-rank DDP (gloo, CPU), default sampling (every "
                       f"{probes.DEFAULT_INTERVAL}th step), {repeats} alternating blocks of {steps} steps, medians")
                 for row in overhead(url, repeats, steps, args.time_allreduce):
