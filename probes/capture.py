@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .collect import guarded
+
 log = logging.getLogger("traindx.probe")
 
 MAX_OPS = 50
@@ -38,7 +40,7 @@ class Capture:
         self.last_step = first_step + steps - 1
         self.shapes: dict[str, dict] = {}
         self.error: str | None = None
-        self._handles = [m.register_forward_hook(self._on_forward(n))
+        self._handles = [m.register_forward_hook(guarded(probe, "capture hook", self._on_forward(n)))
                          for n, m in probe.model.named_modules() if n and not list(m.children())]
         self.profiler = None
         if profile:

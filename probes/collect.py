@@ -37,6 +37,18 @@ def compiled(model: torch.nn.Module) -> str | None:
     return None
 
 
+def guarded(probe: Any, where: str, fn: Callable) -> Callable:
+    """``fn`` as a hook that never raises into the training step: an error goes to ``probe.hook_failed``
+    (reported, and counted against the probe, at its next step). Returns None, so that a forward hook never
+    replaces the module's output."""
+    def hook(*args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - inside the job's forward, backward or optimizer step
+            probe.hook_failed(where, e)
+    return hook
+
+
 class HostCopy:
     """A stacked statistics tensor on its way to the host; asynchronous on CUDA. ``stacked`` may also be
     the host lists already (rows of fields, columns of tensors), as the CPU paths make them."""
@@ -119,8 +131,8 @@ class Phases:
 
     KEYS = ("fwd0", "fwd1", "opt0", "opt1")
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model: torch.nn.Module, optimizer: Any, on_error: Callable[[str, Exception], None]) -> None:
+        self.model, self.optimizer, self.on_error = model, optimizer, on_error
         self.model_hooks = compiled(model) != "in-place"  # hooks would run inside the compiled graph
         self.marks: dict[str, float] = {}
         self.step: int | None = None  # the step armed for
@@ -159,28 +171,31 @@ class Phases:
         self._handles = []
         self._calls = {k: () for k in self.KEYS}
 
+    def _run(self, key: str, args: tuple) -> None:
+        for fn in self._calls[key]:
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 - inside the job's forward or optimizer step: never raise there
+                self.on_error(f"{key} hook", e)
+
     def _fwd0(self, *args: Any) -> None:
-        for fn in self._calls["fwd0"]:
-            fn(*args)
+        self._run("fwd0", args)
         self.marks.setdefault("fwd0", time.perf_counter())
 
     def _fwd1(self, *args: Any) -> None:
         now = time.perf_counter()
         self.marks.setdefault("fwd1", now)
         self.marks["fwd1_last"] = now
-        for fn in self._calls["fwd1"]:
-            fn(*args)
+        self._run("fwd1", args)
 
     def _opt0(self, *args: Any) -> None:
-        for fn in self._calls["opt0"]:
-            fn(*args)
+        self._run("opt0", args)
         self.marks.setdefault("opt0", time.perf_counter())
 
     def _opt1(self, *args: Any) -> None:
         self.marks.setdefault("opt1", time.perf_counter())
         # torch iterates the hook dict while calling us: hooks are removed by the probe after collect()
-        for fn in self._calls["opt1"]:
-            fn(*args)
+        self._run("opt1", args)
 
 
 class Weights(Collection):
@@ -401,7 +416,10 @@ class Activations(Collection):
 
     def _on_output(self, name: str) -> Callable:
         def hook(module: torch.nn.Module, args: tuple, out: Any) -> None:
-            self._record(name, out, module)
+            try:
+                self._record(name, out, module)
+            except Exception as e:  # noqa: BLE001 - inside the job's forward
+                self.probe.hook_failed("activations hook", e)
         return hook
 
     def _on_model_output(self, module: torch.nn.Module, args: tuple, out: Any) -> None:

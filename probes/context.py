@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .collect import Collection, HostCopy
+from .collect import Collection, HostCopy, guarded
 
 # User spans kept between two samples, at most; older ones are dropped (a span is ~100 bytes).
 MAX_USER_SPANS = 1024
@@ -96,7 +96,8 @@ class Timeline(Collection):
             try:
                 for _, p in self.probe.params:
                     if p.requires_grad:
-                        self._handles.append(p.register_post_accumulate_grad_hook(lambda _p: mark("grad", last=True)))
+                        self._handles.append(p.register_post_accumulate_grad_hook(
+                            guarded(self.probe, "timeline hook", lambda _p: mark("grad", last=True))))
             except RuntimeError:  # a wrapper whose parameters take no such hook (some FSDP set-ups): go without
                 self.grad_marks = False
 

@@ -54,7 +54,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .collect import Collection, HostCopy
+from .collect import Collection, HostCopy, guarded
 from .fixes import Applied, FixRejected, Target, _number
 
 # Width of the random projections that stand in for a row's vectors. 8 keeps the state at 96 bytes a
@@ -817,11 +817,13 @@ class Embeddings(Collection):
                                               and self._last(opt._optimizer_step_post_hooks) == self._handles[-1].id)):
             return
         super().disarm()
+        p = self.probe
         for t in self.tables:
             for m in t.modules:
-                self._handles.append(m.register_forward_hook(self._on_lookup(t)))
+                self._handles.append(m.register_forward_hook(guarded(p, "embeddings hook", self._on_lookup(t))))
         if opt is not None:
-            self._handles += [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
+            self._handles += [opt.register_step_pre_hook(guarded(p, "embeddings hook", self._pre)),
+                              opt.register_step_post_hook(guarded(p, "embeddings hook", self._post))]
 
     @staticmethod
     def _last(hooks: Mapping) -> Any:

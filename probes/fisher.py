@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import pruning
-from .collect import Collection, HostCopy
+from .collect import Collection, HostCopy, guarded
 from .stats import tensor_stats
 
 # EMA decay per sample: the estimate averages the last ~1/(1-decay) = 100 samples, so it describes
@@ -113,7 +113,8 @@ class Fisher(Collection):
             self._warning = None
         for layer in self.layers:
             if layer.kfac:
-                self._handles.append(layer.module.register_forward_hook(self._on_forward(layer)))
+                hook = guarded(self.probe, "fisher hook", self._on_forward(layer))
+                self._handles.append(layer.module.register_forward_hook(hook))
 
     def _on_forward(self, layer: LayerStats) -> Any:
         def hook(module: torch.nn.Module, args: tuple, out: Any) -> None:
@@ -128,7 +129,7 @@ class Fisher(Collection):
                 # Per-sample output gradients of a mean-reduced loss are rows * g: G = E[delta^2].
                 g = g.detach().reshape(-1, g.shape[-1]).float()
                 layer._g2 = (g * g).sum(0) * rows
-            out.register_hook(on_grad)
+            out.register_hook(guarded(self.probe, "fisher hook", on_grad))
         return hook
 
     def collect(self, step: int) -> list[HostCopy]:

@@ -184,7 +184,8 @@ class Probe:
         self._capture: Capture | None = None
         self._seen_captures: set[str] = set()
         self._next_due = 0
-        self.phases = Phases(model, optimizer)  # the step-boundary hooks the due collections share
+        self._hook_errors: deque[tuple[str, Exception]] = deque(maxlen=MAX_ERRORS)  # raised in hooks, reported at step()
+        self.phases = Phases(model, optimizer, self.hook_failed)  # the step-boundary hooks the due collections share
         self._send_run_start()
         for c in self.collections:
             if getattr(c, "note", None):  # what a collection cannot see in this job (a compiled model, say)
@@ -209,6 +210,8 @@ class Probe:
             return
         step = self._step
         try:
+            if self._hook_errors:
+                self._report_hook_errors()
             if self.prev_end is not None:
                 dt = now - self.prev_end
                 self.step_time_sum += dt
@@ -388,6 +391,7 @@ class Probe:
                 capture, self._capture = self._capture, None
                 self.sender.put(capture.finish(max(self._step - 1, 0)))
             self._send_user_spans(self._step)
+            self._report_hook_errors()
             for c in self.collections:
                 c.close()
             self.phases.disarm()
@@ -716,6 +720,15 @@ class Probe:
         self._user_spans.append((mode, t0, time.perf_counter()))
         self.sender.put({"kind": "spans", "step": at, "time": time.time(), "mode": mode,
                          "spans": self.take_user_spans(self.clock)})
+
+    def hook_failed(self, where: str, err: Exception) -> None:
+        """An error inside one of the probe's hooks, kept for the next step() to report: a hook runs inside
+        the job's forward or optimizer step, where the probe must neither raise nor take hooks off."""
+        self._hook_errors.append((where, err))
+
+    def _report_hook_errors(self) -> None:
+        while self._hook_errors:
+            self._degrade(*self._hook_errors.popleft())
 
     def _degrade(self, where: str, err: Exception) -> None:
         self._errors += 1

@@ -135,6 +135,31 @@ def test_a_failure_inside_the_probe_never_reaches_the_loop(caplog):
     assert any(e["kind"] == "scalars" and e["values"].get("loss") is not None for e in sink.events)
 
 
+def test_a_hook_that_raises_inside_forward_or_the_optimizer_step_never_reaches_the_loop(monkeypatch):
+    """The probe's hooks run inside the job's forward and optimizer step: one that fails is reported as an
+    error message at the next step, the step itself completes, and what did not fail is still measured."""
+    import probes.collect as collect
+
+    def broken(*_):
+        raise RuntimeError("statistics kernel failed")
+
+    monkeypatch.setattr(collect, "_activation_stats", broken)
+    monkeypatch.setattr(collect.Updates, "_pre", broken)
+    model, opt = _mlp()
+    sink = MemorySink()
+    with probes.attach(model, opt, run="hooks-fail", sink=sink, interval=1) as probe:
+        before = [p.detach().clone() for p in model.parameters()]
+        _train(probe, model, opt, 3)
+        assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))  # the steps happened
+    errors = [e["text"] for e in sink.events if e["kind"] == "message" and e["level"] == "error"]
+    assert any("fwd0 hook" in t and "statistics kernel failed" in t for t in errors)  # the model's input
+    assert any("activations hook" in t for t in errors) and any("opt0 hook" in t for t in errors)
+    collections = {e["collection"] for e in sink.events if e["kind"] == "tensor_stats"}
+    assert {"weights", "gradients"} <= collections and "activations" not in collections
+    values = {k for e in sink.events if e["kind"] == "scalars" for k in e["values"]}
+    assert "loss" in values and "sys/forward" in values
+
+
 def test_fixes_apply_once_within_bounds_and_revert():
     model, opt = _mlp()
     sink = MemorySink()
