@@ -33,6 +33,7 @@ from typing import Any, Mapping
 import torch
 from transformers import TrainerCallback
 
+from .collect import guarded
 from .probe import Probe, attach
 
 __all__ = ["TraindxCallback", "register"]
@@ -61,7 +62,7 @@ class TraindxCallback(TrainerCallback):
         settings = {"scheduler": lr_scheduler, "scaler": getattr(optimizer, "scaler", None), **self.attach_kwargs}
         self.probe = attach(model, inner if isinstance(inner, torch.optim.Optimizer) else None, **settings)
         self._losses = []
-        self._hook = model.register_forward_hook(self._keep_loss)
+        self._hook = model.register_forward_hook(guarded(self.probe, "hf loss hook", self._keep_loss))
 
     def _keep_loss(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not module.training:
