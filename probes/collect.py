@@ -139,10 +139,6 @@ class Phases:
         self._calls: dict[str, tuple[Callable, ...]] = {k: () for k in self.KEYS}
         self._handles: list[Any] = []
 
-    @property
-    def armed(self) -> bool:
-        return bool(self._handles)
-
     def arm(self, step: int, collections: list[Collection]) -> None:
         """Before ``step``: the callbacks of the collections due then; the hooks go on when any wants them."""
         self.marks, self.step = {}, step
