@@ -6,9 +6,11 @@
 
 Arms alternate within one run (off, on, off, on, ...); each "on" arm is paired with the "off" arm just
 before it, and the figure is the median of those paired ratios, so that load drifting during the run
-cancels out. On a shared 2-core machine one pair of 300-step arms moves by +-5%: hence 21 pairs by default.
-Each arm's 300 steps hold three sampled steps at the default interval of 100, as a long run does. Events go to a real `traindx serve` on a free port
-(--sink memory keeps them in the process instead).
+cancels out. An arm lasts about a second or two (the MLP 300 steps of ~3 ms, the transformer 100 steps
+of ~20 ms), so that the machine drifts little within a pair, and holds whole sampling intervals (at the
+default interval of 100: three sampled steps, and one), as a long run does. On a shared 2-core machine one
+pair moves by +-5-10%: hence 21 pairs by default, 41 for the transformer's shorter arms. Events go to a
+real `traindx serve` on a free port (--sink memory keeps them in the process instead).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def transformer() -> tuple[torch.nn.Module, callable]:
 
 
 MODELS = {"mlp": mlp, "transformer": transformer}
+# Steps per arm and pairs of arms, by model, unless given: arms of 1-2 s (see the module docstring).
+STEPS = {"mlp": 300, "transformer": 100}
+REPEATS = {"mlp": 21, "transformer": 41}
 
 
 def time_steps(model, loss_fn, opt, probe, steps: int, cpu: list[float] | None = None) -> float:
@@ -133,8 +138,9 @@ def cold_memory(pages: int = 500, gaps: tuple[float, ...] = (0.001, 0.3), repeat
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=[*MODELS, "all"], default="all")
-    ap.add_argument("--repeats", type=int, default=21)
-    ap.add_argument("--steps", type=int, default=300, help="steps per arm and repeat")
+    ap.add_argument("--repeats", type=int, default=None, help="pairs of arms (default: 21, 41 for the transformer)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per arm and repeat (default: 300, 100 for the transformer)")
     ap.add_argument("--every-step", action="store_true", help="every collection on, sampled every step")
     ap.add_argument("--interval", type=int, default=None, help="sampling interval (default: the probe's default)")
     ap.add_argument("--sink", choices=["http", "memory"], default="http")
@@ -161,9 +167,11 @@ def main() -> None:
         print(f"this machine: one byte of each of 500 pages, last read 1 ms ago: {cold[0.001] * 1e3:.2f} ms; "
               f"last read 300 ms ago (about the gap between two sampled steps here): {cold[0.3] * 1e3:.2f} ms "
               f"({cold[0.3] / cold[0.001]:.0f}x; see cold_memory())")
-        print(f"probe overhead, {config}, sink={args.sink}, {args.repeats} alternating repeats x {args.steps} steps")
+        print(f"probe overhead, {config}, sink={args.sink}")
         for name in (MODELS if args.model == "all" else [args.model]):
-            r = measure(name, server=server, repeats=args.repeats, steps=args.steps, every_step=args.every_step,
+            repeats, steps = args.repeats or REPEATS[name], args.steps or STEPS[name]
+            print(f"  {name}: {repeats} alternating repeats x {steps} steps")
+            r = measure(name, server=server, repeats=repeats, steps=steps, every_step=args.every_step,
                         interval=args.interval)
             off, on = statistics.median(r["off"]), statistics.median(r["on"])
             paired = [b / a for a, b in zip(r["off"], r["on"])]
