@@ -411,12 +411,7 @@ class Activations(Collection):
             self._record("<input>", args[0], None)
 
     def _on_output(self, name: str) -> Callable:
-        def hook(module: torch.nn.Module, args: tuple, out: Any) -> None:
-            try:
-                self._record(name, out, module)
-            except Exception as e:  # noqa: BLE001 - inside the job's forward
-                self.probe.hook_failed("activations hook", e)
-        return hook
+        return guarded(self.probe, "activations hook", lambda module, args, out: self._record(name, out, module))
 
     def _on_model_output(self, module: torch.nn.Module, args: tuple, out: Any) -> None:
         self._record("<output>", out, None)

@@ -426,7 +426,7 @@ class TableState:
         """||mean g||^2 / variance of g across the steps that touched the row (over the EMA window)."""
         ms = self.mean_sq if idx is None else self.mean_sq.index_select(0, idx)
         sq = self.grad_sq if idx is None else self.grad_sq.index_select(0, idx)
-        return ms / (sq - ms).clamp_min(1e-30)
+        return _snr(sq, ms)
 
     def drift_ratio(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """snr over its value for independent zero-mean gradients: < 1 when successive gradients cancel."""
@@ -440,7 +440,7 @@ class TableState:
     def consistency_of(self, idx: torch.Tensor | None) -> torch.Tensor:
         num = self.cons_num if idx is None else self.cons_num.index_select(0, idx)
         den = self.cons_den if idx is None else self.cons_den.index_select(0, idx)
-        return num / den.clamp_min(1e-30)
+        return _ratio(num, den)
 
     def eligible(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         t = self.touches if idx is None else self.touches.index_select(0, idx)
@@ -459,7 +459,11 @@ class TableState:
         """The row's gradient energy per lookup over the median of the table's eligible rows: > 1 is a row
         whose data keeps pulling it harder than its peers' data pulls them (conflicting targets)."""
         occ = self.occ_sq if idx is None else self.occ_sq.index_select(0, idx)
-        return occ / torch.nan_to_num(self.occ_median, nan=float("inf")).clamp_min(1e-30)
+        return _ratio(occ, self._occ_ref())
+
+    def _occ_ref(self) -> torch.Tensor:
+        """What noise_excess divides by: the median per-lookup energy (inf while there is none)."""
+        return torch.nan_to_num(self.occ_median, nan=float("inf"))
 
     def often(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Rows updated at least as often as the table's median touched row."""
@@ -521,13 +525,12 @@ class TableState:
         el = (self.touches.index_select(0, st) >= MIN_TOUCHES) & ~self.bad_of(st)
         neg = (el & (self.consistency_of(st) < 0)).sum().double() / el.sum().clamp_min(1).double()
         rank, cosine, sampled = self._collapse(sampled)
-        occ_ref = torch.nan_to_num(self.occ_median, nan=float("inf")).clamp_min(1e-30)
+        occ_ref = self._occ_ref()
 
         def rows_of(i: torch.Tensor) -> list[torch.Tensor]:
-            # One gather of the rows' state, then what consistency_of, snr and noise_excess compute, on it.
+            # One gather of the rows' state, then consistency_of, snr and noise_excess on it.
             r = self._state.index_select(0, i)[:, :7].t()
-            cols = torch.stack([r[0], r[1], r[2] / r[3].clamp_min(1e-30), r[5] / (r[4] - r[5]).clamp_min(1e-30),
-                                r[6] / occ_ref])
+            cols = torch.stack([r[0], r[1], _ratio(r[2], r[3]), _snr(r[4], r[5]), _ratio(r[6], occ_ref)])
             return [i.double(), cols.double().reshape(-1)]
 
         f64 = torch.float64
@@ -587,6 +590,15 @@ def _counts(state_rows: torch.Tensor) -> torch.Tensor:
     """How many of these rows were updated at least once, are non-finite, are eligible."""
     t, bad = state_rows[:, 0], state_rows[:, 7] > 0
     return torch.stack([(t > 0).sum(), bad.sum(), ((t >= MIN_TOUCHES) & ~bad).sum()])
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    return num / den.clamp_min(1e-30)
+
+
+def _snr(grad_sq: torch.Tensor, mean_sq: torch.Tensor) -> torch.Tensor:
+    """||mean g||^2 over the variance of g (E||g||^2 - ||mean g||^2)."""
+    return _ratio(mean_sq, grad_sq - mean_sq)
 
 
 def _joined(parts: list[torch.Tensor], buf: torch.Tensor | None, slot: int) -> torch.Tensor:
@@ -674,16 +686,16 @@ class _Worker:
     """One background thread that runs a collection's folds and reports in order, for CPU tables: ATen
     releases the GIL inside its operations, so their compute overlaps the training thread on another
     core. Bounded: submit() refuses a job while MAX_JOBS are queued or running (the caller then waits and
-    runs it itself). A job's error is kept in ``error`` for the training thread to report; it never
-    reaches the training loop from here."""
+    runs it itself). A job's error goes to ``on_error`` (the probe's hook_failed: reported at its next
+    step, like an error in one of its hooks); it never reaches the training loop from here."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_error: Callable[[BaseException], None]) -> None:
+        self.on_error = on_error
         self._cond = threading.Condition()
         self._jobs: deque[Callable[[], None]] = deque()  # the first one is running
         self._thread: threading.Thread | None = None
         self._ident: int | None = None
         self._stop = False
-        self.error: BaseException | None = None
 
     def on_thread(self) -> bool:
         return threading.get_ident() == self._ident
@@ -727,9 +739,8 @@ class _Worker:
                 job = self._jobs[0]
             try:
                 job()
-            except BaseException as e:  # noqa: BLE001 - kept for the training thread, which degrades
-                if self.error is None:
-                    self.error = e
+            except BaseException as e:  # noqa: BLE001 - for the training thread, which degrades
+                self.on_error(e)
             with self._cond:
                 self._jobs.popleft()
                 self._cond.notify_all()
@@ -781,8 +792,8 @@ class Embeddings(Collection):
         self._armed = False
         # CPU tables fold on a background thread; on CUDA the fold's kernels already run asynchronously.
         background = self.background if self.background is not None else _spare_core()
-        self._worker = _Worker() if background and self.tables and all(
-            t.weight.device.type == "cpu" for t in self.tables) else None
+        on_cpu = bool(self.tables) and all(t.weight.device.type == "cpu" for t in self.tables)
+        self._worker = _Worker(lambda e: probe.hook_failed("embeddings worker", e)) if background and on_cpu else None
         for t in self.tables:
             t.worker = self._worker
 
@@ -856,10 +867,6 @@ class Embeddings(Collection):
                 t.gather()
                 t.update(step, with_delta=False)
         worker = self._worker
-        if worker is not None and worker.error is not None:
-            # Raised here, where the probe logs it and degrades; the steps queued since stay queued.
-            err, worker.error = worker.error, None
-            raise RuntimeError(f"embeddings: a background fold failed: {err!r}") from err
         reporting = self.reports(step)
         if not (reporting or any(t.flush_due() for t in self.tables)):
             return []

@@ -184,7 +184,7 @@ class Probe:
         self._capture: Capture | None = None
         self._seen_captures: set[str] = set()
         self._next_due = 0
-        self._hook_errors: deque[tuple[str, Exception]] = deque(maxlen=MAX_ERRORS)  # raised in hooks, reported at step()
+        self._hook_errors: deque[tuple[str, Exception]] = deque(maxlen=MAX_ERRORS)  # raised in hooks; see hook_failed
         self.phases = Phases(model, optimizer, self.hook_failed)  # the step-boundary hooks the due collections share
         self._send_run_start()
         for c in self.collections:
@@ -210,8 +210,6 @@ class Probe:
             return
         step = self._step
         try:
-            if self._hook_errors:
-                self._report_hook_errors()
             if self.prev_end is not None:
                 dt = now - self.prev_end
                 self.step_time_sum += dt
@@ -438,6 +436,7 @@ class Probe:
             self.phases.disarm()
 
     def _sample(self, step: int) -> None:
+        self._report_hook_errors()  # errors in hooks since the last sampled step (they run on sampled steps)
         reporting = False
         for c in self._due:
             self._in_flight.extend(c.collect(step))
@@ -722,8 +721,9 @@ class Probe:
                          "spans": self.take_user_spans(self.clock)})
 
     def hook_failed(self, where: str, err: Exception) -> None:
-        """An error inside one of the probe's hooks, kept for the next step() to report: a hook runs inside
-        the job's forward or optimizer step, where the probe must neither raise nor take hooks off."""
+        """An error inside one of the probe's hooks (or on its embeddings worker), kept for the next sampled
+        step (or close()) to report: a hook runs inside the job's forward or optimizer step, where the probe
+        must neither raise nor take hooks off. Thread-safe (a deque append)."""
         self._hook_errors.append((where, err))
 
     def _report_hook_errors(self) -> None:

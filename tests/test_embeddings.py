@@ -387,7 +387,7 @@ def test_a_failing_background_fold_degrades_and_never_raises(background: None) -
     texts = [e["text"] for b in sink.batches for e in b["events"] if e["kind"] == "message"]
     # Each report became an error message, and the probe logged the error where it degrades.
     assert any(x.startswith("traindx: the embeddings report of step 5 was not made") and "fold broke" in x for x in texts)
-    assert any(x.startswith("probe error in step") and "fold broke" in x for x in texts)
+    assert any(x.startswith("probe error in embeddings worker") and "fold broke" in x for x in texts)
     assert coll._worker._thread is None or not coll._worker._thread.is_alive()
 
 
