@@ -101,7 +101,13 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
         elif ev.kind == "message":
             conn.execute("INSERT INTO messages(run, step, time, level, text, rank) VALUES (?,?,?,?,?,?)",
                          (run, ev.step, ev.time, ev.level, ev.text, rank))
-        elif ev.kind == "run_end" and ranks.ended(conn, run, rank):
+        elif ev.kind == "run_end":
+            if ev.reason != "closed":  # the probe was closed at exit: say how the job ended (an exception?)
+                conn.execute("INSERT INTO messages(run, step, time, level, text, rank) VALUES (?,?,?,?,?,?)",
+                             (run, ev.step, ev.time, "error" if ev.reason.startswith("exit after") else "info",
+                              f"the job ended: {ev.reason}", rank))
+            if not ranks.ended(conn, run, rank):
+                continue
             conn.execute("UPDATE runs SET ended=1 WHERE run=?", (run,))
             _expire_pending(conn, run, "the job ended before it picked the fix up", now)
             captures.expire(conn, run, now)

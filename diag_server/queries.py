@@ -10,7 +10,7 @@ import orjson
 
 from schemas.enums import AnomalyKind, AnomalyStatus, FixStatus, Severity
 from schemas.records import (Anomaly, AnomalyPage, AuditEntry, AuditPage, AuditTrail, Fix, FixList, FixPage, Run,
-                             RunList, RunPage, RunSummary,
+                             RunList, RunMessage, RunPage, RunSummary,
                              Series, SeriesPoint)
 
 from .errors import ApiError
@@ -19,6 +19,8 @@ from .store import STAT_COLUMNS, Store
 # A run that has sent nothing (not even a heartbeat) for this long is 'stale': its job is gone or stuck.
 STALE_AFTER_S = 30.0
 MAX_PAGE = 500
+# A run's summary shows its latest messages, at most this many (with the total).
+MESSAGES_SHOWN = 20
 
 
 def _json(text: str | None, default: Any) -> Any:
@@ -91,8 +93,12 @@ def run_summary(store: Store, run: str) -> RunSummary:
     latest = {r[0]: r[1] for r in conn.execute(
         "SELECT name, value FROM scalars s WHERE run=? AND step=(SELECT max(step) FROM scalars WHERE run=s.run "
         "AND name=s.name) GROUP BY name", (run,))}
+    messages = [RunMessage(step=r["step"], time=r["time"], level=r["level"], text=r["text"], rank=r["rank"])
+                for r in conn.execute("SELECT step, time, level, text, rank FROM messages WHERE run=? ORDER BY rowid DESC "
+                                      "LIMIT ?", (run, MESSAGES_SHOWN)).fetchall()[::-1]]
+    total = conn.execute("SELECT count(*) FROM messages WHERE run=?", (run,)).fetchone()[0]
     return RunSummary(run=_run(row, sum(by_kind.values()), time.time()), latest=latest,
-                      anomalies_by_kind=by_kind, fixes_by_status=fixes)
+                      anomalies_by_kind=by_kind, fixes_by_status=fixes, messages=messages, messages_total=total)
 
 
 def _anomaly(r: sqlite3.Row) -> Anomaly:

@@ -46,6 +46,7 @@ CREATE TABLE IF NOT EXISTS stats(
 CREATE INDEX IF NOT EXISTS stats_by_tensor ON stats(run, collection, tensor, step);
 CREATE INDEX IF NOT EXISTS stats_by_step ON stats(run, step);
 CREATE TABLE IF NOT EXISTS messages(run TEXT, step INTEGER, time REAL, level TEXT, text TEXT, rank INTEGER DEFAULT 0);
+CREATE INDEX IF NOT EXISTS messages_by_run ON messages(run);
 CREATE TABLE IF NOT EXISTS anomalies(
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, kind TEXT, severity TEXT, status TEXT,
     first_step INTEGER, last_step INTEGER, resolved_step INTEGER, tensors TEXT, message TEXT, evidence TEXT,

@@ -7,13 +7,16 @@ collection samples does nothing but count, keep a reference to the loss, and bra
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import operator
 import os
 import re
+import sys
 import time
 import uuid
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
@@ -55,6 +58,25 @@ def _default_run() -> str:
         # Whatever --rdzv-id the user gave torchrun, made a valid run id the same way on every rank.
         return "torchrun-" + re.sub(r"[^A-Za-z0-9._:\-]", "_", elastic)[:118]
     return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+# Probes attached and not yet closed; closed at interpreter exit (see _close_at_exit).
+_OPEN: weakref.WeakSet[Probe] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """Close the probes the job left open, so that what they hold reaches the server (or the spool)
+    instead of dying with the sender's thread, and the embeddings worker is joined before the interpreter
+    tears down (a daemon thread inside an ATen operation then aborts the process). The run's end says why:
+    the exit, after an uncaught exception when the job died of one."""
+    err = getattr(sys, "last_value", None)  # set by the interpreter's report of an uncaught exception
+    reason = "exit without close()" if err is None else f"exit after {type(err).__name__}: {err}"[:256]
+    for probe in list(_OPEN):
+        if probe._pid == os.getpid():  # not a forked child's copy of its parent's probe
+            probe.close(timeout=5.0, reason=reason)
+
+
+atexit.register(_close_at_exit)
 
 
 def _steps(what: str, value: Any, hint: str = "") -> int:
@@ -193,6 +215,8 @@ class Probe:
         if comm_hook is not None or time_allreduce:
             self._install_comm_hook(comm_hook)
         self._arm(0)
+        self._pid = os.getpid()
+        _OPEN.add(self)
         self.prev_end = time.perf_counter()
 
     # -- public API ----------------------------------------------------------------------------------
@@ -379,9 +403,11 @@ class Probe:
         self._drain_in_flight(wait=True)
         return self.sender.flush(timeout)
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0, *, reason: str = "closed") -> None:
+        """Send what is left and take every hook off. Called at interpreter exit for a probe left open."""
         if self._closed:
             return
+        _OPEN.discard(self)
         try:
             if self._mode != TRAIN:
                 self._switch_mode(TRAIN)
@@ -400,7 +426,7 @@ class Probe:
                 deferred.cancel()
             self._flush_scalars()
             self._drain_in_flight(wait=True)
-            self.sender.put({"kind": "run_end", "step": self._step, "time": time.time(), "reason": "closed"})
+            self.sender.put({"kind": "run_end", "step": self._step, "time": time.time(), "reason": reason})
         except Exception as e:  # noqa: BLE001
             self._degrade("close", e)
         self._closed = True

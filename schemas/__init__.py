@@ -57,6 +57,7 @@ from .records import (
     Run,
     RunHistory,
     RunList,
+    RunMessage,
     RunPage,
     RunSummary,
     Series,
@@ -77,6 +78,6 @@ __all__ = [
     "CaptureCommand", "CaptureResult", "ModuleShape", "OpStat", "Span", "Spans", "Capture", "CaptureList",
     "CaptureRank", "OpSummary", "RankInfo", "ShapeInfo", "Timeline", "TimelineSpan",
     "Anomaly", "AnomalyPage", "AuditEntry", "AuditPage", "AuditTrail", "Cause", "CompressionRecipe", "Diagnosis", "Error",
-    "Fix", "FixList", "FixPage", "Health", "Heatmap", "HistoryEntry", "LayerRecipe", "Run", "RunHistory", "RunList", "RunPage",
+    "Fix", "FixList", "FixPage", "Health", "Heatmap", "HistoryEntry", "LayerRecipe", "Run", "RunHistory", "RunList", "RunMessage", "RunPage",
     "RunSummary", "Series", "SeriesPoint", "SeriesSet",
 ]

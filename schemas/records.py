@@ -97,11 +97,26 @@ class RunList(_Record):
     runs: list[Run]
 
 
+class RunMessage(_Record):
+    """Something a person should know about the job that is not an anomaly: the probe degraded or
+    skipped a hook, the run's rule settings were ignored, the job ended without closing its probe or on
+    an uncaught exception."""
+
+    step: int
+    time: Time
+    level: Literal["info", "warning", "error"]
+    text: str
+    rank: int = 0
+
+
 class RunSummary(_Record):
     run: Run
     latest: dict[str, Number] = Field(default_factory=dict, description="Latest value of each scalar.")
     anomalies_by_kind: dict[str, int] = Field(default_factory=dict, description="Open anomalies per kind.")
     fixes_by_status: dict[str, int] = Field(default_factory=dict)
+    messages: list[RunMessage] = Field(default_factory=list,
+                                       description="The run's latest messages (at most 20), oldest first.")
+    messages_total: int = Field(0, description="Messages the run has sent in all.")
 
 
 class SeriesPoint(_Record):

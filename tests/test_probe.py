@@ -246,3 +246,62 @@ def test_a_flush_interval_that_is_not_a_positive_number_is_refused(bad):
     model, opt = _mlp()
     with pytest.raises(ValueError, match="flush_interval must be a positive number of seconds"):
         probes.attach(model, opt, sink=MemorySink(), flush_interval=bad)
+
+
+_LEFT_OPEN = """
+import sys, torch, probes
+from probes.embeddings import Embeddings
+Embeddings.background = True  # the worker thread, which must be joined before the interpreter tears down
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Embedding(500, 16), torch.nn.Flatten(), torch.nn.Linear(64, 1))
+opt = torch.optim.Adam(model.parameters())
+where = sys.argv[1]  # a file, or a server's URL
+sink = dict(server=where, run=sys.argv[3]) if where.startswith("http") else dict(sink=probes.FileSink(where))
+probe = probes.attach(model, opt, interval=50, collections={"weights": 50, "embeddings": 10}, **sink)
+for step in range(203):
+    loss = model(torch.randint(0, 500, (32, 4))).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step(); probe.step(loss=loss)
+if sys.argv[2] == "raise":
+    raise RuntimeError("boom at step 203")
+"""
+
+
+@pytest.mark.parametrize("ending", ["return", "raise"])
+def test_a_probe_left_open_is_closed_at_exit_and_nothing_it_held_is_lost(ending, tmp_path):
+    """A job that never calls close() (or dies of an exception) still delivers every event, ends its run
+    saying why, and exits with its own status, not an abort from a thread left running."""
+    import subprocess
+
+    import orjson
+
+    out = tmp_path / "run.jsonl"
+    r = subprocess.run([sys.executable, "-c", _LEFT_OPEN, str(out), ending], capture_output=True, text=True, timeout=120)
+    assert r.returncode == (0 if ending == "return" else 1), r.stderr
+    assert "terminate called" not in r.stderr
+    events = [e for line in out.read_bytes().splitlines() for e in orjson.loads(line)["events"]]
+    kinds = [e["kind"] for e in events]
+    assert kinds[0] == "run_start" and kinds[-1] == "run_end"
+    assert max(e["step"] for e in events if e["kind"] == "scalars") == 202  # the last step's loss too
+    assert {e["step"] for e in events if e["kind"] == "tensor_stats" and e["collection"] == "embeddings"} >= {200}
+    reason = events[-1]["reason"]
+    assert reason == ("exit without close()" if ending == "return" else "exit after RuntimeError: boom at step 203")
+
+
+def test_a_job_that_dies_of_an_exception_says_so_in_its_run_summary(session_server):
+    """The probe closed at exit tells the server why the job ended; get_run (GET /v1/runs/{run}) shows it
+    among the run's messages, with the run ended and its last loss in."""
+    import os
+    import subprocess
+
+    run = "left-open-raise"
+    env = {**os.environ, "TRAINDX_TOKEN": session_server.token}
+    r = subprocess.run([sys.executable, "-c", _LEFT_OPEN, session_server.url, "raise", run], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 1 and "RuntimeError: boom" in r.stderr, r.stderr
+    with session_server.client() as c:
+        summary = c.get(f"/v1/runs/{run}").json()
+    assert summary["run"]["status"] == "ended" and summary["run"]["last_step"] == 203
+    assert "loss" in summary["latest"]
+    assert summary["messages"][-1] == {"step": 203, "time": summary["messages"][-1]["time"], "level": "error",
+                                       "text": "the job ended: exit after RuntimeError: boom at step 203", "rank": 0}
+    assert summary["messages_total"] == len(summary["messages"])

@@ -20,7 +20,7 @@ from schemas import (
     Anomaly, AnomalyKind, AnomalyPage, AnomalyStatus, AuditEntry, AuditTrail, Cause, Collection, Command,
     CompressionRecipe, Diagnosis, EmbeddingRow, EmbeddingSummary, Error, Fix, FixAck, FixAction, FixList, FixStatus,
     Health, IngestBatch, IngestReply, LayerProfile, LayerProfiles, LayerRecipe, ModuleInfo, OptimizerInfo, ParamInfo,
-    ProbeMessage, Run, RunEnd, RunList, RunStart, RunSummary, Scalars, Series, SeriesPoint, Severity, StatRow,
+    ProbeMessage, Run, RunEnd, RunList, RunMessage, RunStart, RunSummary, Scalars, Series, SeriesPoint, Severity, StatRow,
     TensorSlice, TensorSnapshot, TensorStats,
 )
 from schemas import (
@@ -112,7 +112,10 @@ SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
     RUN,
     RunList(runs=[RUN]),
     RunSummary(run=RUN, latest={"loss": 0.42, "val_loss": None}, anomalies_by_kind={"exploding_gradient": 1},
-               fixes_by_status={"effective": 1}),
+               fixes_by_status={"effective": 1},
+               messages=[RunMessage(step=203, time=1.7e9, level="error", text="the job ended: exit after RuntimeError: boom")],
+               messages_total=3),
+    RunMessage(step=0, time=0.0, level="warning", text="the run's rule settings were ignored: ...", rank=1),
     Series(run="mnist-1", name="loss", points=[SeriesPoint(step=0, value=2.3), SeriesPoint(step=1, value=None)], downsampled=True),
     SeriesPoint(step=3, value=NAN),
     CompressionRecipe(run="mnist-1", target_sparsity=0.5, achieved_sparsity=0.49, method="fisher",
