@@ -161,7 +161,8 @@ def train(d: Data, regime: str, seed: int, epochs: int, *, probe_on: bool = Fals
     sink, probe, watch = None, None, None
     if probe_on or fix:
         sink = probes.MemorySink()
-        probe = probes.attach(model, opt, sink=sink, run=f"bench-{regime}-{seed}", collections={"embeddings": REPORT},
+        run = f"bench-{regime.replace('+', '-')}-{seed}"  # a valid run id: no '+'
+        probe = probes.attach(model, opt, sink=sink, run=run, collections={"embeddings": REPORT},
                               allow={"embedding_grad_scale": {}}, flush_interval=3600)
         watch = Watch(sink)
     g = torch.Generator().manual_seed(1000 + seed)

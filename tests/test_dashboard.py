@@ -4,6 +4,7 @@ filters filter, and a fix applied from the page reaches the job, which acknowled
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -80,6 +81,16 @@ def test_live_run_page_charts_anomalies_filters_and_a_fix_from_the_page(live, br
     time_series = page.evaluate("traindx.charts.time.series.slice(1).map(s => s.label)")
     assert {"sys/data_wait", "sys/forward", "sys/backward", "sys/optimizer"} <= set(time_series)
     assert count(page, "#anomalies tbody tr[data-kind='nonfinite']") == 0
+
+    # A message about the job (here: its probe degraded) shows on the open page, as text.
+    text = "<b>the probe stopped sampling</b> after 20 internal errors"
+    httpx.post(f"{srv.url}/v1/ingest", headers={"authorization": f"Bearer {PEOPLE_TOKEN}"},
+               json={"batch_id": uuid.uuid4().hex, "run": RUN, "seq": 0,
+                     "events": [{"kind": "message", "step": 3, "time": 1.0, "level": "error", "text": text}]}
+               ).raise_for_status()
+    shown = page.locator("#run-messages li[data-level='error']", has_text="the probe stopped sampling")
+    shown.first.wait_for(timeout=WAIT_MS)
+    assert text in shown.first.inner_text() and "step 3" in shown.first.inner_text()
 
     # The job breaks; the anomaly appears on the page that is already open (no reload).
     page.evaluate("window.__sameDocument = true")

@@ -288,6 +288,18 @@ async function openAnomaly(id) {
 }
 
 // -- the run page, kept live --------------------------------------------------------------------------
+// What the probe (or the server, about the job) said that is not an anomaly: the probe degraded, a hook
+// raised, the job died of an exception. The latest ones, newest last.
+function drawMessages(summary) {
+  const list = $("#run-messages");
+  const items = summary.messages.map((m) => el("li", { class: `lvl-${m.level}`, "data-level": m.level },
+    el("span", { class: "muted" }, `step ${m.step}${m.rank ? ` · rank ${m.rank}` : ""} · ${m.level} `), m.text));
+  if (summary.messages_total > summary.messages.length)
+    items.unshift(el("li", { class: "muted" }, `latest ${summary.messages.length} of ${summary.messages_total} messages`));
+  list.replaceChildren(...items);
+  list.hidden = !items.length;
+}
+
 async function refresh() {
   if (state.refreshing) { state.again = true; return; }
   state.refreshing = true;
@@ -296,6 +308,7 @@ async function refresh() {
     state.maxStep = Math.max(summary.run.last_step, 1);
     const st = $("#run-status");
     st.textContent = summary.run.status; st.className = `badge st-${summary.run.status}`;
+    drawMessages(summary);
     await Promise.all([drawCharts(), drawAnomalies()]);
     if (state.selected) await openAnomaly(state.selected);
     showError(null);
