@@ -976,8 +976,10 @@ def embedding_grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: st
     ``mode='update'`` (default) scales the row's step (w_before + f * (w_after - w_before)): for SGD this
     is the same as scaling its gradient, and for Adam-family optimizers it is the only way a constant
     per-row scale has an effect (a gradient scale cancels in m / sqrt(v)). ``mode='grad'`` scales the
-    gradient rows before the optimizer step. Factors are computed once, when the fix is applied, from
-    the rows' statistics at that moment; revert removes the hooks.
+    gradient rows before the optimizer step. Factors are computed when the fix is applied, from the rows'
+    statistics at that moment, and with ``refresh=N`` again every N optimizer steps (a row that turns
+    noisy later is damped from then on; one that regains a signal gets its step back); revert removes
+    the hooks.
     """
     coll = _collection(t)
     name = params.get("table")
@@ -1003,14 +1005,25 @@ def embedding_grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: st
                                                  and i == int(i) and 0 <= i < table.rows for i in ids):
             raise FixRejected(f"parameter 'rows' must be a list of row ids in [0, {table.rows})")
         rows = torch.tensor([int(i) for i in ids], dtype=torch.long, device=table.weight.device)
-    factors = row_factors(table, snr_ref=snr_ref, min_factor=min_factor, max_factor=max_factor, rows=rows,
-                          starved_below=starved_below)
-    affected = torch.nonzero(factors != 1.0).reshape(-1)
-    f = factors.index_select(0, affected)
+    refresh = int(_number(params, "refresh", 0, 1e9, default=0))
+    if refresh != params.get("refresh", 0):
+        raise FixRejected(f"parameter 'refresh' must be a whole number of steps, got {params.get('refresh')!r}")
     w = table.weight
-    state: dict[str, torch.Tensor | None] = {"before": None}
+    state: dict[str, Any] = {"before": None, "steps": 0}
+
+    def compute() -> None:
+        factors = row_factors(table, snr_ref=snr_ref, min_factor=min_factor, max_factor=max_factor, rows=rows,
+                              starved_below=starved_below)
+        affected = torch.nonzero(factors != 1.0).reshape(-1)
+        state.update(factors=factors, affected=affected, f=factors.index_select(0, affected))
+
+    compute()
 
     def pre(*_: Any) -> None:
+        state["steps"] += 1
+        if refresh and state["steps"] % refresh == 0:
+            compute()  # from the rows' statistics now: a row that has turned noisy since is damped too
+        factors, affected, f = state["factors"], state["affected"], state["f"]
         if mode == "grad":
             g = w.grad
             if g is None:
@@ -1022,10 +1035,19 @@ def embedding_grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: st
             else:
                 g.index_copy_(0, affected, g.index_select(0, affected) * f[:, None].to(g.dtype))
         else:
+            g = w.grad
+            if g is not None and g.is_sparse:
+                # Only the rows with a gradient move (sparse optimizers): the cost follows the batch, not
+                # the number of damped rows in the table.
+                touched = torch.unique(g._indices()[0])
+                rf = factors.index_select(0, touched)
+                keep = rf != 1.0
+                affected, f = touched[keep], rf[keep]
+            state["rows"], state["rf"] = affected, f
             state["before"] = w.detach().index_select(0, affected)
 
     def post(*_: Any) -> None:
-        before = state["before"]
+        before, affected, f = state["before"], state.get("rows"), state.get("rf")
         if before is None:
             return
         state["before"] = None
@@ -1050,9 +1072,10 @@ def embedding_grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: st
             h.remove()
         return {"embedding_grad_scale": 1.0, "table": table.name, "rows": 0}
 
+    affected, f = state["affected"], state["f"]
     n = int(affected.numel())
     after = {"embedding_grad_scale": round(float(f.mean()), 6) if n else 1.0, "table": table.name, "rows": n,
              "min_factor": round(float(f.min()), 6) if n else 1.0,
-             "max_factor": round(float(f.max()), 6) if n else 1.0, "mode": mode,
+             "max_factor": round(float(f.max()), 6) if n else 1.0, "mode": mode, "refresh": refresh,
              "row_ids": [str(int(i)) for i in affected[:64].tolist()]}
     return Applied({"embedding_grad_scale": 1.0, "table": table.name, "rows": 0}, after, undo)

@@ -568,6 +568,74 @@ def test_fix_scales_the_affected_rows_updates_and_reverts() -> None:
     probe.close()
 
 
+def test_fix_with_refresh_damps_a_row_that_turns_noisy_after_it_was_applied() -> None:
+    """refresh=N recomputes the factors every N optimizer steps from the rows' statistics then: a row that
+    was healthy when the fix was applied, and whose target starts toggling later, is damped from then on."""
+    torch.manual_seed(0)
+    model = Toy(rows=12, dim=2)
+    lr = 0.05
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    probe, sink = attach(model, opt, allow=["embedding_grad_scale"])
+    ids = torch.arange(12)
+    train(model, probe, 40, ids=ids, zombies={2}, opt=opt)
+    sink.commands.append({"fix_id": "f-1", "action": "embedding_grad_scale",
+                          "params": {"table": "table.weight", "rows": [2, 7], "min_factor": 0.1, "refresh": 10}})
+    probe.flush()
+    ratios = []  # row 7's step over its full step, after each optimizer step
+    for step in range(40, 200):
+        gen = torch.Generator().manual_seed(100 + step)
+        target = toggling_targets(step, 12, {2, 7}, gen)  # from now on row 7 toggles too
+        w0 = model.table.weight.detach().clone()
+        loss = ((model(ids) - target) ** 2).sum()
+        opt.zero_grad()
+        loss.backward()
+        full = -lr * model.table.weight.grad[7].detach().clone()
+        opt.step()
+        probe.step(loss=loss)
+        ratios.append(float((model.table.weight.detach()[7] - w0[7]).norm() / full.norm()))
+        if step == 40:
+            probe.flush()
+    probe.close()
+    ack = [e for b in sink.batches for e in b["events"] if e["kind"] == "fix_ack"][-1]
+    assert ack["status"] == "applied" and ack["after"]["row_ids"] == ["2"] and ack["after"]["refresh"] == 10
+    assert ratios[1:10] == pytest.approx([1.0] * 9)  # healthy when applied: its full step, until the first refresh
+    assert ratios[-1] < 0.5  # noisy since: damped, by the factor its measured SNR gives
+    changes = [i for i in range(1, len(ratios)) if abs(ratios[i] - ratios[i - 1]) > 1e-6]
+    # The fix is applied at step 40's boundary; its factors change only every 10th step after.
+    assert changes and all(i % 10 == 0 for i in changes)
+
+def test_fix_on_a_sparse_table_scales_the_rows_the_batch_touched_and_leaves_the_others() -> None:
+    torch.manual_seed(0)
+    model = Toy(rows=12, dim=2, sparse=True)
+    lr = 0.05
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    probe, sink = attach(model, opt, allow=["embedding_grad_scale"])
+    train(model, probe, 40, ids=torch.arange(12), zombies={2, 7}, opt=opt)
+    sink.commands.append({"fix_id": "f-1", "action": "embedding_grad_scale",
+                          "params": {"table": "table.weight", "rows": [2, 7], "min_factor": 0.1}})
+    probe.flush()
+    train(model, probe, 1, ids=torch.arange(12), zombies={2, 7}, opt=opt, seed=40)  # applied at this boundary
+    probe.flush()
+    t = table_state(probe)
+    snr = t.snr()
+    ref = min(float(snr[t.eligible()].median()), NOISE_SNR)
+    factor = float((snr[2] / ref).clamp(0.1, 1.0))
+    assert factor < 0.5
+    ids = torch.arange(7)  # row 2 is looked up, row 7 is not
+    w0 = model.table.weight.detach().clone()
+    loss = ((model(ids) - 1.0) ** 2).sum()
+    opt.zero_grad()
+    loss.backward()
+    grad = model.table.weight.grad.detach().to_dense()
+    opt.step()
+    probe.step(loss=loss)
+    probe.close()
+    delta = model.table.weight.detach() - w0
+    expected = -lr * grad
+    expected[2] *= factor
+    assert torch.allclose(delta, expected, atol=1e-7)  # row 2 damped; rows 0-6 full; row 7 and up unmoved
+    assert torch.equal(delta[7:], torch.zeros(5, 2))
+
 def test_fix_refuses_bad_parameters_and_a_missing_collection() -> None:
     torch.manual_seed(0)
     model = Toy(rows=5, dim=2)
@@ -611,6 +679,7 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
     fixes = httpx.post(f"{base}/anomalies/{zombie['id']}/propose", headers=AUTH).json()["fixes"]
     assert [f["action"] for f in fixes] == ["embedding_grad_scale"] * 2
     assert fixes[0]["params"]["table"] == "table.weight" and "rows" not in fixes[0]["params"]  # the whole table
+    assert fixes[0]["params"]["refresh"] > 0  # its factors follow the rows as they turn noisy
     assert sorted(fixes[1]["params"]["rows"]) == [3, 17, 29]  # only the named rows
     fix_id = fixes[1]["id"]
     assert httpx.post(f"{base}/fixes/{fix_id}/apply", headers=AUTH).json()["status"] == "pending"
