@@ -1,4 +1,4 @@
-"""Reading commands for people at a terminal: ``traindx runs``, ``anomalies RUN``, ``diagnose RUN``,
+"""Reading commands for people at a terminal: ``traindx runs``, ``run RUN``, ``anomalies RUN``, ``diagnose RUN``,
 ``fixes RUN`` (and ``propose``/``apply``/``revert`` to act). They talk to a running server over HTTP, like
 the dashboard and the Python client, and print readable tables, or the server's own JSON/XML for scripts.
 """
@@ -89,6 +89,33 @@ def register(main: click.Group) -> None:
                          [[r.run, r.status, r.last_step, r.open_anomalies, r.device, r.total_params] for r in rs])
 
         c.run("/v1/runs", show, status=status, limit=500)
+
+    @main.command("run")
+    @click.argument("run")
+    @_options
+    def run_summary(run: str, server: str, fmt: str | None) -> None:
+        """One run: status, latest scalars, open anomalies by kind, fixes by status, latest messages."""
+        c = _Cmd(server, fmt)
+
+        def show() -> str:
+            s = c.client.run(run)
+            r = s.run
+            out = [table(["RUN", "STATUS", "STEP", "OPEN", "DEVICE", "PARAMS"],
+                         [[r.run, r.status, r.last_step, r.open_anomalies, r.device, r.total_params]]), ""]
+            out.append(table(["SCALAR", "LATEST"], sorted(s.latest.items())) if s.latest else "no scalars yet")
+            counts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"  # noqa: E731
+            out += ["", f"open anomalies: {counts(s.anomalies_by_kind)}", f"fixes: {counts(s.fixes_by_status)}", ""]
+            if s.messages:
+                shown = len(s.messages)
+                total = s.messages_total
+                out.append(f"messages (latest {shown} of {total}):" if total > shown else "messages:")
+                out.append(table(["STEP", "RANK", "LEVEL", "TEXT"],
+                                 [[m.step, m.rank, m.level, m.text] for m in s.messages]))
+            else:
+                out.append("no messages")
+            return "\n".join(out)
+
+        c.run(f"/v1/runs/{run}", show)
 
     @main.command()
     @click.argument("run")

@@ -1,9 +1,11 @@
-"""`traindx runs / anomalies / diagnose / fixes / propose / apply` against a real server over HTTP:
+"""`traindx runs / run / anomalies / diagnose / fixes / propose / apply` against a real server over HTTP:
 readable tables by default, the server's JSON and XML with --json / --xml, the token sent when set."""
 
 from __future__ import annotations
 
+import uuid
 
+import httpx
 import orjson
 import pytest
 from click.testing import CliRunner
@@ -45,6 +47,27 @@ def test_tables_for_people(srv: ServerProcess) -> None:
     assert code == 0 and "no fixes" in out
     code, out = cli(srv, "fixes", RUN)
     assert code == 0 and "person:ana" in out
+
+
+def test_one_run_with_its_latest_scalars_counts_and_messages(srv: ServerProcess) -> None:
+    code, out = cli(srv, "run", RUN)
+    assert code == 0 and out.splitlines()[0].split() == ["RUN", "STATUS", "STEP", "OPEN", "DEVICE", "PARAMS"]
+    summary = httpx.get(f"{srv.url}/v1/runs/{RUN}").json()
+    assert "ended" in out and "loss" in out and summary["anomalies_by_kind"]
+    assert all(f"{kind} {n}" in out for kind, n in summary["anomalies_by_kind"].items())
+    # A run whose job died of an exception says so (the probe's run_end at exit, as a message).
+    run = "cli-died"
+    event = {"kind": "run_end", "step": 7, "time": 1.0, "reason": "exit after RuntimeError: CUDA out of memory"}
+    httpx.post(f"{srv.url}/v1/ingest", headers={"authorization": f"Bearer {TOKEN}"},
+               json={"batch_id": uuid.uuid4().hex, "run": run, "seq": 0, "events": [
+                   {"kind": "scalars", "step": 7, "time": 1.0, "values": {"loss": 2.5}}, event]}).raise_for_status()
+    code, out = cli(srv, "run", run)
+    assert code == 0 and "ended" in out and "open anomalies: none" in out
+    assert "error" in out and "the job ended: exit after RuntimeError: CUDA out of memory" in out
+    code, out = cli(srv, "run", run, "--json")
+    assert code == 0 and orjson.loads(out)["messages"][0]["level"] == "error"
+    code, out = cli(srv, "run", "no-such-run")
+    assert code != 0 and "no-such-run" in out
 
 
 def test_json_and_xml_for_scripts(srv: ServerProcess) -> None:
