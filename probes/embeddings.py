@@ -1022,7 +1022,10 @@ def embedding_grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: st
     def pre(*_: Any) -> None:
         state["steps"] += 1
         if refresh and state["steps"] % refresh == 0:
-            compute()  # from the rows' statistics now: a row that has turned noisy since is damped too
+            try:  # from the rows' statistics now: a row that has turned noisy since is damped too
+                compute()
+            except Exception as e:  # noqa: BLE001 - inside the job's optimizer step: keep the factors, report
+                t.probe.hook_failed("embedding_grad_scale refresh", e)
         factors, affected, f = state["factors"], state["affected"], state["f"]
         if mode == "grad":
             g = w.grad

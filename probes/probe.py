@@ -69,11 +69,17 @@ def _close_at_exit() -> None:
     instead of dying with the sender's thread, and the embeddings worker is joined before the interpreter
     tears down (a daemon thread inside an ATen operation then aborts the process). The run's end says why:
     the exit, after an uncaught exception when the job died of one."""
-    err = getattr(sys, "last_value", None)  # set by the interpreter's report of an uncaught exception
+    # Set by the interpreter's report of an uncaught exception; in an interactive session (a REPL, a
+    # notebook) it may be an earlier cell's, which did not end the job.
+    interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
+    err = None if interactive else getattr(sys, "last_value", None)
     reason = "exit without close()" if err is None else f"exit after {type(err).__name__}: {err}"[:256]
     for probe in list(_OPEN):
         if probe._pid == os.getpid():  # not a forked child's copy of its parent's probe
-            probe.close(timeout=5.0, reason=reason)
+            try:
+                probe.close(timeout=5.0, reason=reason)
+            except Exception:  # noqa: BLE001 - the next probe, and the interpreter's other exit handlers
+                log.warning("traindx: could not close probe %s at exit", probe.run, exc_info=True)
 
 
 atexit.register(_close_at_exit)

@@ -636,6 +636,29 @@ def test_fix_on_a_sparse_table_scales_the_rows_the_batch_touched_and_leaves_the_
     assert torch.allclose(delta, expected, atol=1e-7)  # row 2 damped; rows 0-6 full; row 7 and up unmoved
     assert torch.equal(delta[7:], torch.zeros(5, 2))
 
+def test_a_refresh_that_fails_keeps_the_factors_and_never_reaches_the_loop(monkeypatch) -> None:
+    torch.manual_seed(0)
+    model = Toy(rows=12, dim=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, sink = attach(model, opt, allow=["embedding_grad_scale"])
+    ids = torch.arange(12)
+    train(model, probe, 40, ids=ids, zombies={2}, opt=opt)
+    sink.commands.append({"fix_id": "f-1", "action": "embedding_grad_scale",
+                          "params": {"table": "table.weight", "rows": [2], "min_factor": 0.1, "refresh": 5}})
+    probe.flush()
+    train(model, probe, 1, ids=ids, zombies={2}, opt=opt, seed=40)  # applied at this boundary
+
+    def broken(*_, **__):
+        raise RuntimeError("statistics unavailable")
+
+    monkeypatch.setattr(probes.embeddings, "row_factors", broken)
+    w0 = model.table.weight.detach().clone()
+    train(model, probe, 20, ids=ids, zombies={2}, opt=opt, seed=41)  # four refreshes fail inside opt.step()
+    assert not torch.equal(model.table.weight.detach(), w0)  # training went on
+    probe.close()
+    texts = [e["text"] for b in sink.batches for e in b["events"] if e["kind"] == "message"]
+    assert any("embedding_grad_scale refresh" in t and "statistics unavailable" in t for t in texts), texts
+
 def test_fix_refuses_bad_parameters_and_a_missing_collection() -> None:
     torch.manual_seed(0)
     model = Toy(rows=5, dim=2)
