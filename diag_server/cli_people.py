@@ -38,6 +38,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, wrap_last: b
     return "\n".join(out)
 
 
+RUN_COLUMNS = ["RUN", "STATUS", "STEP", "OPEN", "DEVICE", "PARAMS"]
+
+
+def _run_row(r: Any) -> list[Any]:
+    return [r.run, r.status, r.last_step, r.open_anomalies, r.device, r.total_params]
+
+
 def _options(f: Callable) -> Callable:
     f = click.option("--server", default=lambda: os.environ.get("TRAINDX_SERVER", DEFAULT_SERVER),
                      show_default="$TRAINDX_SERVER or " + DEFAULT_SERVER, help="The traindx server to ask.")(f)
@@ -85,8 +92,7 @@ def register(main: click.Group) -> None:
             rs = c.client.runs(status=status)
             if not rs:
                 return "no runs yet"
-            return table(["RUN", "STATUS", "STEP", "OPEN", "DEVICE", "PARAMS"],
-                         [[r.run, r.status, r.last_step, r.open_anomalies, r.device, r.total_params] for r in rs])
+            return table(RUN_COLUMNS, [_run_row(r) for r in rs])
 
         c.run("/v1/runs", show, status=status, limit=500)
 
@@ -99,9 +105,7 @@ def register(main: click.Group) -> None:
 
         def show() -> str:
             s = c.client.run(run)
-            r = s.run
-            out = [table(["RUN", "STATUS", "STEP", "OPEN", "DEVICE", "PARAMS"],
-                         [[r.run, r.status, r.last_step, r.open_anomalies, r.device, r.total_params]]), ""]
+            out = [table(RUN_COLUMNS, [_run_row(s.run)]), ""]
             out.append(table(["SCALAR", "LATEST"], sorted(s.latest.items())) if s.latest else "no scalars yet")
             counts = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"  # noqa: E731
             out += ["", f"open anomalies: {counts(s.anomalies_by_kind)}", f"fixes: {counts(s.fixes_by_status)}", ""]
