@@ -15,6 +15,7 @@ import orjson
 from schemas.enums import AnomalyStatus, FixStatus, Severity
 
 from .rules import BUILTIN, Finding, Observations, Rule
+from .store import add_message
 
 _SEVERITY_ORDER = {Severity.info.value: 0, Severity.warning.value: 1, Severity.critical.value: 2}
 
@@ -86,8 +87,7 @@ class Engine:
             rules = self._build(overrides, disabled)
         except (ValueError, TypeError) as e:  # a bad setting must not stop the rules: run the defaults, say why
             rules = self.rules
-            conn.execute("INSERT INTO messages(run, step, time, level, text) VALUES (?,?,?,?,?)",
-                         (run, 0, 0.0, "warning", f"the run's rule settings were ignored: {e}"))
+            add_message(conn, run, 0, 0.0, "warning", f"the run's rule settings were ignored: {e}")
         self._run_rules[run] = (fingerprint, rules)
         return rules
 

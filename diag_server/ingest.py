@@ -17,6 +17,7 @@ from . import captures, evidence, ranks
 from .compression import store_profiles
 from .engine import Engine, loss_median
 from .errors import ApiError
+from .store import add_message
 from .rules import Observations
 from .store import STAT_COLUMNS, Store
 
@@ -99,13 +100,11 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
         elif isinstance(ev, TensorSnapshot):
             evidence.receive(conn, run, ev, now)
         elif ev.kind == "message":
-            conn.execute("INSERT INTO messages(run, step, time, level, text, rank) VALUES (?,?,?,?,?,?)",
-                         (run, ev.step, ev.time, ev.level, ev.text, rank))
+            add_message(conn, run, ev.step, ev.time, ev.level, ev.text, rank)
         elif ev.kind == "run_end":
             if ev.reason != "closed":  # the probe was closed at exit: say how the job ended (an exception?)
-                conn.execute("INSERT INTO messages(run, step, time, level, text, rank) VALUES (?,?,?,?,?,?)",
-                             (run, ev.step, ev.time, "error" if ev.reason.startswith("exit after") else "info",
-                              f"the job ended: {ev.reason}", rank))
+                level = "error" if ev.reason.startswith("exit after") else "info"
+                add_message(conn, run, ev.step, ev.time, level, f"the job ended: {ev.reason}", rank)
             if not ranks.ended(conn, run, rank):
                 continue
             conn.execute("UPDATE runs SET ended=1 WHERE run=?", (run,))

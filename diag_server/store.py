@@ -88,6 +88,13 @@ ADDED_COLUMNS = [("scalars", "rank", "INTEGER DEFAULT 0"), ("stats", "rank", "IN
                  ("messages", "rank", "INTEGER DEFAULT 0")]
 
 
+def add_message(conn: sqlite3.Connection, run: str, step: int, time: float, level: str, text: str,
+                rank: int = 0) -> None:
+    """A message about the run that is not an anomaly (RunSummary.messages): from the probe, or the server's."""
+    conn.execute("INSERT INTO messages(run, step, time, level, text, rank) VALUES (?,?,?,?,?,?)",
+                 (run, step, time, level, text, rank))
+
+
 def _connect(path: str) -> sqlite3.Connection:
     conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
     conn.row_factory = sqlite3.Row

@@ -92,12 +92,11 @@ class Timeline(Collection):
             # Without the timed communication hook, the time from this rank's last gradient being ready
             # to the optimizer step is what it waited for the all-reduce (DDP's backward returns only
             # when the reduction is done). One-shot hooks: nothing is left behind on other steps.
-            mark = self._mark
+            hook = guarded(self.probe, "timeline hook", self._grad_ready)
             try:
                 for _, p in self.probe.params:
                     if p.requires_grad:
-                        self._handles.append(p.register_post_accumulate_grad_hook(
-                            guarded(self.probe, "timeline hook", lambda _p: mark("grad", last=True))))
+                        self._handles.append(p.register_post_accumulate_grad_hook(hook))
             except RuntimeError:  # a wrapper whose parameters take no such hook (some FSDP set-ups): go without
                 self.grad_marks = False
 
@@ -109,12 +108,11 @@ class Timeline(Collection):
         return {"fwd0": lambda *_: event("fwd0"), "fwd1": lambda *_: event("fwd1", last=True),
                 "opt0": lambda *_: event("opt0"), "opt1": lambda *_: event("opt1")}
 
-    def _mark(self, key: str, last: bool = False) -> None:
-        if key in self._marks and not last:
-            return
-        self._marks[key] = time.perf_counter()
+    def _grad_ready(self, _param: Any) -> None:
+        """A parameter's gradient is ready: the mark keeps the last one of the step."""
+        self._marks["grad"] = time.perf_counter()
         if self.cuda:
-            self._event(key, last)
+            self._event("grad", last=True)
 
     def _event(self, key: str, last: bool = False) -> None:
         ev = self._events.get(key)

@@ -1046,14 +1046,12 @@ def embedding_grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: st
                 rf = factors.index_select(0, touched)
                 keep = rf != 1.0
                 affected, f = touched[keep], rf[keep]
-            state["rows"], state["rf"] = affected, f
-            state["before"] = w.detach().index_select(0, affected)
+            state["before"] = (affected, f, w.detach().index_select(0, affected))
 
     def post(*_: Any) -> None:
-        before, affected, f = state["before"], state.get("rows"), state.get("rf")
-        if before is None:
+        if state["before"] is None:
             return
-        state["before"] = None
+        (affected, f, before), state["before"] = state["before"], None
         with torch.no_grad():
             after = w.detach().index_select(0, affected)
             w.index_copy_(0, affected, before + f[:, None].to(w.dtype) * (after - before))
