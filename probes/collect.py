@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .stats import finite_stats, host_stats, rows_from_stats
+from .stats import finite_stats, host_stats, local, rows_from_stats
 
 # Activation outputs within this distance of a bound count as saturated. Same 1% band as the
 # saturation check in Glorot & Bengio (2010), sec. 3.
@@ -203,7 +203,7 @@ class Weights(Collection):
         self._params = [p for _, p in probe.params]
 
     def collect(self, step: int) -> list[HostCopy]:
-        return [HostCopy(self.name, step, self._names, host_stats(self._params))]
+        return [HostCopy(self.name, step, self._names, host_stats([local(p) for p in self._params]))]
 
 
 class Gradients(Collection):
@@ -213,7 +213,7 @@ class Gradients(Collection):
         named = [(n, p.grad) for n, p in self.probe.params if p.grad is not None]
         if not named:
             return []
-        grads = [g.to_dense() if g.is_sparse else g for _, g in named]
+        grads = [g.to_dense() if g.is_sparse else local(g) for _, g in named]
         return [HostCopy(self.name, step, [n for n, _ in named], host_stats(grads))]
 
 
@@ -252,8 +252,9 @@ class Updates(Collection):
     def _pre(self, *_: Any) -> None:
         named = [(n, p) for n, p in self.probe.params if p.grad is not None]
         owners = [p for _, p in named]
-        # Detached: the hooks run in the caller's grad mode, and the buffers must not join the graph.
-        params = [p.detach() for p in owners]
+        # Detached: the hooks run in the caller's grad mode, and the buffers must not join the graph. A
+        # sharded parameter's own shard (see stats.local): the optimizer updates it in place.
+        params = [local(p.detach()) for p in owners]
         if (len(owners) != len(self._owners) or any(a is not b for a, b in zip(owners, self._owners))
                 or any(b.shape != p.shape or b.dtype != p.dtype or b.device != p.device
                        for b, p in zip(self._before, params))):

@@ -31,6 +31,7 @@ from .rollback import RollbackBuffer
 from .sender import Sender
 from .sinks import FileSink, HttpSink, Sink
 from .snapshot import Snapshots
+from .stats import local
 
 log = logging.getLogger("traindx.probe")
 
@@ -646,15 +647,13 @@ class Probe:
         self.sender.put({
             "kind": "run_start", "step": 0, "time": time.time(),
             "modules": [{"name": n, "type": type(m).__name__} for n, m in self.model.named_modules() if n],
-            "params": [{"name": n, "shape": list(p.shape), "numel": p.numel(), "trainable": p.requires_grad,
-                        "dtype": str(p.dtype).replace("torch.", "")} for n, p in self.params],
+            "params": [_param_info(n, p) for n, p in self.params],
             "total_params": sum(p.numel() for _, p in self.params),
             "optimizer": opt, "torch_version": torch.__version__, "device": str(self.device),
             "world_size": self.world["world_size"], "rank": self.world["rank"],
             "local_rank": self.world["local_rank"], "host": self.world["host"], "allow": sorted(self.allow),
             "config": {"interval": self.interval, "collections": [c.name for c in self.collections],
-                       "amp_scaler": self._amp is not None},
-            "config": {"interval": self.interval, "collections": [c.name for c in self.collections], **self.rules},
+                       "amp_scaler": self._amp is not None, **self.rules},
         })
 
     # -- execution context: modes, user spans, captures, the all-reduce ------------------------------------
@@ -767,7 +766,7 @@ class Probe:
         if where not in self._logged:
             self._logged.add(where)
             log.warning("traindx: probe error in %s (%s: %s); the training job is not affected",
-                        where, type(err).__name__, err, exc_info=True)
+                        where, type(err).__name__, err, exc_info=err)  # its traceback, even when reported later
             try:
                 self.sender.put({"kind": "message", "step": self._step, "time": time.time(), "level": "error",
                                  "text": f"probe error in {where}: {type(err).__name__}: {err}"[:4000]})
@@ -823,6 +822,16 @@ def _rule_config(rules: Mapping[str, Mapping[str, float] | bool] | None) -> dict
     if disabled:
         out["rules.disable"] = disabled
     return out
+
+
+def _param_info(name: str, p: torch.Tensor) -> dict:
+    info = {"name": name, "shape": list(p.shape), "numel": p.numel(), "trainable": p.requires_grad,
+            "dtype": str(p.dtype).replace("torch.", "")}
+    shard = local(p)
+    if shard is not p:  # FSDP2: this rank holds one shard, and its statistics are of that shard
+        info["local_numel"] = shard.numel()
+        info["placements"] = ", ".join(str(x) for x in getattr(p, "placements", ()))[:256]
+    return info
 
 
 def _hyper(v: Any) -> Any:

@@ -13,12 +13,16 @@ from typing import Any, Callable
 
 import torch
 
+from .stats import local
+
 MAX_TENSORS = 8
 MAX_ELEMENTS = 256
 
 
 def tensor_slice(name: str, source: str, t: torch.Tensor, max_elements: int) -> dict:
-    flat = t.detach().reshape(-1)
+    """Up to ``max_elements`` values of ``t`` (of this rank's shard, for a sharded parameter: see stats.local)."""
+    t = local(t.detach())
+    flat = t.reshape(-1)
     bad = ~torch.isfinite(flat) if flat.is_floating_point() else torch.zeros_like(flat, dtype=torch.bool)
     first_bad = bad.nonzero()
     # Centre the slice on the first NaN/Inf: that is where the evidence is.

@@ -42,6 +42,11 @@ class ParamInfo(_Model):
     numel: int = Field(ge=0)
     trainable: bool = True
     dtype: str = Field("float32", max_length=32)
+    local_numel: int | None = Field(None, ge=0, description=(
+        "A sharded parameter (FSDP2's DTensor): the elements this rank holds. Its statistics (weights, "
+        "gradients, updates) and snapshots from this rank cover that shard."))
+    placements: str | None = Field(None, max_length=256, description=(
+        "A sharded parameter: how it is laid out across the ranks (the DTensor's placements, e.g. 'Shard(dim=0)')."))
 
 
 class OptimizerInfo(_Model):

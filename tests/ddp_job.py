@@ -1,7 +1,8 @@
 """Small DistributedDataParallel jobs on the CPU (gloo), launched with torch.multiprocessing by the tests.
 
 ``python tests/ddp_job.py '[{"rdzv_id": "a", "nproc": 2, "server": URL, ...}, ...]'`` runs each job in
-turn. Faults are injected on one rank: ``"slow_forward": "R:S"`` sleeps S seconds in rank R's forward (a
+turn (``"fsdp": true`` shards the model with FSDP2's ``fully_shard`` instead of wrapping it in DDP). Faults
+are injected on one rank: ``"slow_forward": "R:S"`` sleeps S seconds in rank R's forward (a
 straggler), ``"slow_data": "R:S"`` sleeps S seconds in rank R's data loader for every batch. ``"pace": S``
 sleeps S seconds in every rank's forward, the same everywhere, so a job lasts long enough to be
 watched. Each rank gets the environment torchrun would give it. Not a test module (no test_ prefix).
@@ -51,7 +52,16 @@ def train(rank: int, job: dict) -> None:
     data_sleep = _fault(job.get("slow_data"), rank)
     model = torch.nn.Sequential(Sleep(job.get("pace", 0.0) + _fault(job.get("slow_forward"), rank)),
                                 torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    ddp = DDP(model)
+    if job.get("fsdp"):
+        # FSDP2: every Linear's parameters (and the root's) sharded across the ranks, as DTensors.
+        from torch.distributed.fsdp import fully_shard
+
+        for m in model:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m)
+        ddp = fully_shard(model)
+    else:
+        ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
     data = TensorDataset(torch.randn(4096, 32, generator=g), torch.randn(4096, 1, generator=g))
@@ -82,6 +92,12 @@ def train(rank: int, job: dict) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if job.get("fsdp") and step % job.get("interval", 2) == 0:
+            # The whole tensors' norms at a sampled step (an all-gather, on every rank at once), logged for
+            # the test to check the ranks' shard statistics against.
+            full = {f"full_norm/{n}": p.full_tensor().norm().item() for n, p in model.named_parameters()}
+            full.update({f"full_grad_norm/{n}": p.grad.full_tensor().norm().item() for n, p in model.named_parameters()})
+            probe.log(step=step, **full)
         probe.step(loss=loss)
         if eval_every and (step + 1) % eval_every == 0:
             with probe.mode("eval"), torch.no_grad():

@@ -3,7 +3,7 @@
 One launcher process (tests/ddp_job.py) imports torch once and runs four jobs in turn, each on forked
 ranks with the environment torchrun gives them: a healthy 2-rank job that an agent captures over MCP
 while it runs, a 2-rank job with a straggler (rank 1 sleeps in its forward), a 4-rank job with a slow
-data loader on rank 2, and a healthy 4-rank job.
+data loader on rank 2, a healthy 4-rank job, and a 2-rank job sharded with FSDP2.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ JOBS = [
     {"rdzv_id": "strag2", "nproc": 2, "steps": 24, "interval": 2, "slow_forward": "1:0.06", "time_allreduce": True},
     {"rdzv_id": "data4", "nproc": 4, "steps": 24, "interval": 2, "slow_data": "2:0.06"},
     {"rdzv_id": "ok4", "nproc": 4, "steps": 24, "interval": 2},
+    # FSDP2 (fully_shard): each rank holds half of every parameter and of its gradient, as DTensors.
+    {"rdzv_id": "fsdp2", "nproc": 2, "steps": 12, "interval": 2, "fsdp": True},
 ]
 
 # The Trace Event Format's JSON object form, as documented by Chrome's trace viewer (and read by Perfetto):
@@ -139,6 +141,38 @@ def test_healthy_multi_rank_runs_raise_nothing(jobs: ServerProcess) -> None:
 
     found = [a for a in _anomalies(jobs, "torchrun-cap2") if a["rule"] in RULES]
     assert found == [], [a["message"] for a in found]
+
+
+def test_fsdp2_ranks_report_the_shards_they_hold_and_together_the_whole_tensors(jobs: ServerProcess) -> None:
+    """Under FSDP2 a parameter is a DTensor sharded across the ranks. Each rank's statistics are of its own
+    shard (a DTensor's reductions would be collectives, and mixing the shard's sums with the whole
+    tensor's size gave wrong means and zero fractions), and the shards' norms add up to the whole tensor's,
+    which the job itself logged at the sampled steps."""
+    run = "torchrun-fsdp2"
+    summary = _get(jobs, f"/v1/runs/{run}")
+    assert summary["run"]["status"] == "ended"
+    assert not [m["text"] for m in summary["messages"] if m["level"] == "error"]  # no hook failed
+    steps_checked = 0
+    for collection, logged in (("weights", "full_norm"), ("gradients", "full_grad_norm")):
+        # Sharded on their first dimension: Linear(64, 1)'s (1, 64) weight is all on rank 0, rank 1's is empty.
+        for name, sizes in (("1.weight", (32 * 32, 32 * 32)), ("1.bias", (32, 32)), ("3.weight", (64, 0))):
+            per_rank = []
+            for rank, numel in enumerate(sizes):
+                shard = _get(jobs, f"/v1/runs/{run}/series/{name}", collection=collection, rank=rank)["points"]
+                size = _get(jobs, f"/v1/runs/{run}/series/{name}", collection=collection, field="numel",
+                            rank=rank)["points"]
+                assert {p["value"] for p in size} == {numel}, (collection, name, rank, size)
+                per_rank.append({p["step"]: p["value"] for p in shard})
+            whole = {p["step"]: p["value"] for p in
+                     _get(jobs, f"/v1/runs/{run}/series/{logged}/{name}", rank=0)["points"]}
+            assert set(whole) == set(per_rank[0]) == set(per_rank[1]) and len(whole) == 6
+            for step, norm in whole.items():
+                assert (per_rank[0][step] ** 2 + per_rank[1][step] ** 2) ** 0.5 == pytest.approx(norm, rel=1e-4)
+                steps_checked += 1
+            assert per_rank[0] != per_rank[1]  # two different halves, not one tensor seen twice
+    assert steps_checked == 36
+    ratios = _get(jobs, f"/v1/runs/{run}/series/1.weight", collection="updates", field="update_ratio", rank=1)["points"]
+    assert len(ratios) == 6 and all(0 < p["value"] < 1 for p in ratios)
 
 
 def test_a_straggler_rank_is_named_with_its_phase(jobs: ServerProcess) -> None:

@@ -59,6 +59,21 @@ def test_samples_on_schedule_and_sends_every_loss():
     assert sys_steps == [0, 5, 10]
 
 
+def test_run_start_records_the_probe_configuration_whole():
+    """The configuration was written as two "config" keys of one dict literal: the second hid the first,
+    and a job with a GradScaler never said so."""
+    model, opt = _mlp()
+    sink = MemorySink()
+    scaler = torch.amp.GradScaler("cpu")
+    with probes.attach(model, opt, run="config", sink=sink, interval=5, scaler=scaler,
+                       rules={"loss_spike": False}):
+        pass
+    config = sink.events[0]["config"]
+    assert config["interval"] == 5 and config["amp_scaler"] is True
+    assert config["rules.disable"] == ["loss_spike"]
+    assert all("local_numel" not in p and "placements" not in p for p in sink.events[0]["params"])  # not sharded
+
+
 def test_every_form_of_loss_is_reported_as_its_value():
     """Losses of one interval are read together: 0-d float32 tensors, a bfloat16 one, a per-sample
     tensor (reported as its mean), a float and a NaN each come out as the value the loop passed."""
