@@ -169,8 +169,20 @@ def _trainable(t: Target) -> list[torch.nn.Parameter]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
+def _refuse_if_sharded(ps: list[torch.nn.Parameter], what: str, instead: str) -> None:
+    """A fix whose arithmetic spans a whole gradient cannot run on a sharded model (FSDP2's DTensor): there it
+    is an all-reduce, which every rank must enter at the same step, and a fix reaches each rank at its own."""
+    if any(hasattr(p, "placements") for p in ps):
+        raise FixRejected(f"the model is sharded across ranks (FSDP2): {what} needs an all-reduce that every rank "
+                          f"enters at the same step, and a live fix reaches each rank at its own step; {instead}")
+
+
 def grad_clip(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
     ps = _trainable(t)
+    if "clip_value" not in params:  # clipping each value is element-wise: a shard can do it alone
+        _refuse_if_sharded(ps, "clipping by the global gradient norm",
+                           "call torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) in the training loop "
+                           "before optimizer.step(), or clip by value (clip_value)")
     if "clip_value" in params:
         value = _number(params, "clip_value", bounds.get("min_value", 1e-8), bounds.get("max_value", 1e6))
         undo = _step_pre_hook(t, fix_id, lambda: torch.nn.utils.clip_grad_value_(ps, value))
@@ -226,6 +238,10 @@ def _relative_clip(ps: list[torch.nn.Parameter], factor: float, window: int, cap
 
 def skip_nonfinite(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
     ps = _trainable(t)
+    # Skipping on the one rank whose shard went NaN would step the other shards alone.
+    _refuse_if_sharded(ps, "skipping a step whose gradients are not finite",
+                       "check torch.isfinite on the gradients' total norm (torch.nn.utils.clip_grad_norm_ returns "
+                       "it) in the training loop, and skip optimizer.step() on every rank when it is not finite")
     probe = t.probe
 
     def guard() -> None:
