@@ -221,12 +221,52 @@ def _clean(detail: dict) -> dict:
     return out
 
 
+# Collections whose rows, on a model sharded with FSDP2, each rank sends for the shard it holds
+# (probes/stats.py local): read whole, they are merged across the ranks step by step.
+SHARDED_COLLECTIONS = ("weights", "gradients", "updates")
+# The shards' rows of one (tensor, step), merged into the whole tensor's: sizes and counts add up, squared
+# norms add up, means and second moments are weighted by each shard's finite elements, extremes are the
+# extremes. An update ratio is ||sum of updates|| / ||sum of weights||, the weights' norm of a shard being
+# its update's norm over its ratio. A shard's null (a NaN in it) makes the whole tensor's norm null; an
+# empty shard (numel 0) counts for nothing.
+_MERGED_STATS = """(SELECT run, collection, tensor, step, numel,
+    CASE WHEN norms = rows_ THEN sqrt(sq) END AS norm,
+    s1 / fin AS mean, sqrt(max(s2 / fin - (s1 / fin) * (s1 / fin), 0.0)) AS std, min, max, nan_count, inf_count,
+    zeros / nullif(numel, 0) AS zero_frac, NULL AS dead_frac, NULL AS saturated_frac,
+    CASE WHEN ratios = rows_ THEN CASE WHEN sq = 0 THEN 0.0 ELSE sqrt(sq) / nullif(sqrt(wsq), 0) END END AS update_ratio
+  FROM (SELECT run, collection, tensor, step, count(*) AS rows_, sum(numel) AS numel, count(norm) AS norms,
+          sum(norm * norm) AS sq, min(min) AS min, max(max) AS max, sum(nan_count) AS nan_count,
+          sum(inf_count) AS inf_count, sum(zero_frac * numel) AS zeros,
+          nullif(sum(CASE WHEN mean IS NOT NULL THEN numel - nan_count - inf_count END), 0) AS fin,
+          sum(mean * (numel - nan_count - inf_count)) AS s1,
+          sum((std * std + mean * mean) * (numel - nan_count - inf_count)) AS s2,
+          count(CASE WHEN update_ratio > 0 OR norm = 0 THEN 1 END) AS ratios,
+          sum(CASE WHEN update_ratio > 0 THEN (norm / update_ratio) * (norm / update_ratio) ELSE 0 END) AS wsq
+        FROM stats GROUP BY run, collection, tensor, step))"""
+
+
+def sharded(conn: sqlite3.Connection, run: str) -> bool:
+    """Whether the run's model is sharded across its ranks (FSDP2): its run_start lists a parameter with
+    a ``local_numel`` (null for the others). A pattern test on the stored JSON: this runs with every chart's query."""
+    row = conn.execute("""SELECT start GLOB '*"local_numel":[0-9]*' FROM runs WHERE run=?""", (run,)).fetchone()
+    return bool(row and row[0])
+
+
+def stats_table(conn: sqlite3.Connection, run: str, collection: str | None, rank: int | None = None) -> str:
+    """What to read a collection's rows from: ``stats`` itself, or, for all ranks of a sharded run's
+    weights, gradients and updates, their shards merged into whole tensors (one row per tensor and step)."""
+    if rank is None and collection in SHARDED_COLLECTIONS and sharded(conn, run):
+        return _MERGED_STATS
+    return "stats"
+
+
 def series(store: Store, run: str, name: str, *, max_points: int = 500, collection: str | None = None,
            field: str = "norm", min_step: int | None = None, max_step: int | None = None,
            rank: int | None = None) -> Series:
     """A scalar series (``loss``, ``sys/step_time``, ...) or, with ``collection``, one tensor's statistic,
     within the step range, downsampled to at most ``max_points`` keeping each bucket's min and max.
-    In a distributed run every rank's points are returned unless ``rank`` picks one."""
+    In a distributed run every rank's points are returned unless ``rank`` picks one; a sharded model's
+    (FSDP2) weights, gradients and updates are the whole tensors', merged from the ranks' shards."""
     from .downsample import min_max_query
 
     conn = store.read()
@@ -241,7 +281,8 @@ def series(store: Store, run: str, name: str, *, max_points: int = 500, collecti
     else:
         if field not in STAT_COLUMNS:
             raise ApiError(422, "invalid_parameter", f"field must be one of {', '.join(STAT_COLUMNS)}")
-        kept, total = min_max_query(conn, "stats", field, "run=? AND collection=? AND tensor=? AND step BETWEEN ? AND ?" + only,
+        table = stats_table(conn, run, collection, rank)
+        kept, total = min_max_query(conn, table, field, "run=? AND collection=? AND tensor=? AND step BETWEEN ? AND ?" + only,
                                     (run, collection, name, lo, hi, *extra), max_points)
     return Series(run=run, name=name, points=[SeriesPoint(step=s, value=v) for s, v in kept],
                   downsampled=len(kept) < total)

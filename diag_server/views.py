@@ -15,7 +15,7 @@ from schemas.records import Heatmap, HistoryEntry, RunHistory, Series, SeriesPoi
 
 from .downsample import min_max_query
 from .errors import ApiError
-from .queries import check_page, next_offset, require_run
+from .queries import check_page, next_offset, require_run, stats_table
 from .store import STAT_COLUMNS, Store
 
 MAX_SERIES = 64  # series in one SeriesSet: a chart with more lines than this is unreadable anyway
@@ -78,8 +78,9 @@ def stat_set(store: Store, run: str, *, collection: str, field: str = "norm", te
                                          (run, collection)) if r[0] not in order]
     if tensors:
         order = [t for t in order if t in tensors]
+    table = stats_table(conn, run, collection)  # a sharded model's shards, merged into whole tensors
     return SeriesSet(run=run, series=[
-        _series(conn, run, t, "stats", col, "run=? AND collection=? AND tensor=? AND step BETWEEN ? AND ?",
+        _series(conn, run, t, table, col, "run=? AND collection=? AND tensor=? AND step BETWEEN ? AND ?",
                 [run, collection, t, lo, hi], max_points) for t in order[:MAX_SERIES]])
 
 
@@ -104,7 +105,8 @@ def heatmap(store: Store, run: str, *, collection: str = "gradients", field: str
     tensors += [r[0] for r in conn.execute(f"SELECT DISTINCT tensor FROM stats WHERE {where}", args)
                 if r[0] not in tensors]
     width = 1 if n_steps <= max_steps else max(-(-(last - first + 1) // max_steps), 1)
-    cells = conn.execute(f"SELECT tensor, (step - ?) / ?, max({col}), min(step) FROM stats WHERE {where} "
+    table = stats_table(conn, run, collection)  # a sharded model's shards, merged into whole tensors
+    cells = conn.execute(f"SELECT tensor, (step - ?) / ?, max({col}), min(step) FROM {table} WHERE {where} "
                          "GROUP BY tensor, 2", (first, width, *args)).fetchall()
     columns = sorted({c[1] for c in cells})
     index = {b: j for j, b in enumerate(columns)}

@@ -166,13 +166,29 @@ def test_fsdp2_ranks_report_the_shards_they_hold_and_together_the_whole_tensors(
             whole = {p["step"]: p["value"] for p in
                      _get(jobs, f"/v1/runs/{run}/series/{logged}/{name}", rank=0)["points"]}
             assert set(whole) == set(per_rank[0]) == set(per_rank[1]) and len(whole) == 6
+            # Read without a rank, the server merges the shards into the whole tensor, one point a step.
+            merged = _get(jobs, f"/v1/runs/{run}/series/{name}", collection=collection)["points"]
+            assert [p["step"] for p in merged] == sorted(whole)
+            sizes_merged = _get(jobs, f"/v1/runs/{run}/series/{name}", collection=collection, field="numel")["points"]
+            assert {p["value"] for p in sizes_merged} == {sum(sizes)}
             for step, norm in whole.items():
                 assert (per_rank[0][step] ** 2 + per_rank[1][step] ** 2) ** 0.5 == pytest.approx(norm, rel=1e-4)
                 steps_checked += 1
+            assert {p["step"]: p["value"] for p in merged} == pytest.approx(whole, rel=1e-4)
             assert per_rank[0] != per_rank[1]  # two different halves, not one tensor seen twice
     assert steps_checked == 36
     ratios = _get(jobs, f"/v1/runs/{run}/series/1.weight", collection="updates", field="update_ratio", rank=1)["points"]
     assert len(ratios) == 6 and all(0 < p["value"] < 1 for p in ratios)
+    # The dashboard's charts and heat map read the merged rows too.
+    chart = _get(jobs, f"/v1/runs/{run}/stats", collection="gradients", tensor="1.weight")["series"][0]["points"]
+    whole = {p["step"]: p["value"] for p in _get(jobs, f"/v1/runs/{run}/series/full_grad_norm/1.weight")["points"]}
+    assert {p["step"]: p["value"] for p in chart} == pytest.approx(whole, rel=1e-4)
+    heat = _get(jobs, f"/v1/runs/{run}/heatmap", collection="gradients")
+    row = heat["values"][heat["tensors"].index("1.weight")]
+    assert dict(zip(heat["steps"], row)) == pytest.approx(whole, rel=1e-4)
+    # A data-parallel run's replicas are not added up: every rank's points, as before.
+    ddp = _get(jobs, "/v1/runs/torchrun-ok4/series/module.1.weight", collection="weights", field="numel")["points"]
+    assert {p["value"] for p in ddp} == {32 * 64} and len(ddp) == 4 * 12
 
 
 def test_a_straggler_rank_is_named_with_its_phase(jobs: ServerProcess) -> None:
