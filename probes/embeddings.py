@@ -785,7 +785,15 @@ class Embeddings(Collection):
 
     def __init__(self, probe: Any, interval: int) -> None:
         super().__init__(probe, interval)
-        self.tables = [TableState(n, w, mods, seed=i) for i, (n, w, mods) in enumerate(find_tables(probe.model))]
+        found = find_tables(probe.model)
+        # A table sharded across ranks (FSDP2's DTensor) is looked up whole in the forward and its gradient
+        # lands in shards: its rows' statistics would need the other ranks' shards. Left out, and said so.
+        sharded = [n for n, w, _ in found if hasattr(w, "placements")]
+        self.note = (f"embeddings: {', '.join(sharded)} {'is' if len(sharded) == 1 else 'are'} sharded across "
+                     "ranks (FSDP2); per-row statistics need a whole table on one rank, so "
+                     f"{'it is' if len(sharded) == 1 else 'they are'} not tracked (leave the table out of "
+                     "fully_shard to track it)") if sharded else None
+        self.tables = [TableState(n, w, mods, seed=i) for i, (n, w, mods) in enumerate(found) if n not in sharded]
         self._handles: list[Any] = []
         self._step = 0
         self._stepped = False

@@ -31,6 +31,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def sharded_job(body: str, timeout: float = 120) -> dict:
+    """Run ``body`` in a process of its own on a one-rank gloo group, where ``fully_shard`` (FSDP2) makes
+    real DTensor parameters (the group would leak into later tests in this one). ``body`` sees torch,
+    fully_shard, probes and tempfile, and leaves what the test reads in the dict ``out``."""
+    import json
+    import textwrap
+
+    code = "\n".join([
+        "import json, socket, tempfile, torch, torch.distributed as dist",
+        "from torch.distributed.fsdp import fully_shard",
+        "import probes",
+        "with socket.socket() as s:",
+        "    s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]",
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)",
+        "out = {}",
+        textwrap.dedent(body),
+        "dist.destroy_process_group()",
+        "print(json.dumps(out))",
+    ])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @dataclass
 class ServerProcess:
     url: str

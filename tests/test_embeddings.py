@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from tests.conftest import AUTH
+from tests.conftest import AUTH, sharded_job
 import pytest
 import torch
 
@@ -800,3 +800,37 @@ def test_queued_steps_fold_to_the_step_by_step_statistics(sparse: bool, dim: int
     assert not t.pending and int(state[:, 0].max()) > 20  # some rows were touched on most of the 37 steps
     assert t.counts.tolist() == [int((state[:, 0] > 0).sum()), int((state[:, 7] > 0).sum()),
                                  int(((state[:, 0] >= 20) & (state[:, 7] == 0)).sum())]
+
+
+def test_a_table_sharded_with_fsdp2_is_left_out_and_the_run_says_why():
+    """Under fully_shard a table's gradient lands in shards: its rows' statistics would need the other
+    ranks'. The collection tracks the tables it can and says which it left out."""
+    out = sharded_job("""
+        class Rec(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.user = torch.nn.Embedding(50, 8)
+                self.item = torch.nn.Embedding(40, 8)
+
+            def forward(self, u, i):
+                return (self.user(u) * self.item(i)).sum(1)
+
+        torch.manual_seed(0)
+        model = Rec()
+        fully_shard(model.item)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        sink = probes.MemorySink()
+        probe = probes.attach(model, opt, run="sharded-tables", sink=sink, collections={"embeddings": 5},
+                              spool_dir=tempfile.mkdtemp())
+        for step in range(10):
+            u, i = torch.randint(0, 50, (32,)), torch.randint(0, 40, (32,))
+            loss = ((model(u, i) - 1.0) ** 2).mean()
+            opt.zero_grad(); loss.backward(); opt.step(); probe.step(loss=loss)
+        probe.close()
+        out["messages"] = [e["text"] for e in sink.events if e["kind"] == "message"]
+        out["tables"] = sorted({r["name"] for e in sink.events if e["kind"] == "tensor_stats"
+                                and e["collection"] == "embeddings" for r in e["rows"]})
+    """)
+    assert out["tables"] == ["user.weight"]
+    assert any("embeddings: item.weight is sharded across ranks (FSDP2)" in m for m in out["messages"]), out
+    assert not [m for m in out["messages"] if "probe error" in m]

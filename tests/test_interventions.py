@@ -15,6 +15,8 @@ import torch
 import probes
 from probes.rollback import RollbackBuffer
 
+from .conftest import sharded_job
+
 
 def _model(seed: int = 0) -> torch.nn.Sequential:
     torch.manual_seed(seed)
@@ -269,50 +271,29 @@ def test_unfreeze_a_frozen_layer():
     assert model[2].weight.requires_grad and not torch.equal(model[2].weight, frozen)
 
 
-SHARDED_JOB = """
-import json, os, socket, sys, tempfile
-import torch, torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-import probes
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-sys.path.insert(0, sys.argv[1])
-from tests.test_interventions import _cmd, _model, _train
-model = _model()
-for m in model:
-    if isinstance(m, torch.nn.Linear):
-        fully_shard(m)
-fully_shard(model)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-sink = probes.MemorySink()
-probe = probes.attach(model, opt, run="sharded", sink=sink, interval=5, flush_interval=60,
-                      allow=["grad_clip", "skip_nonfinite"], spool_dir=tempfile.mkdtemp())
-_train(model, opt, probe, sink, 6, commands={2: [_cmd("f-1", "grad_clip", max_norm=1.0),
-                                                 _cmd("f-2", "grad_clip", relative=2.0),
-                                                 _cmd("f-3", "skip_nonfinite"),
-                                                 _cmd("f-4", "grad_clip", clip_value=0.5)]})
-probe.close()
-print(json.dumps({e["fix_id"]: [e["status"], e.get("reason") or ""] for e in sink.events if e["kind"] == "fix_ack"}))
-dist.destroy_process_group()
-"""
-
 
 def test_on_a_sharded_model_fixes_that_need_an_all_reduce_are_refused_with_what_to_do_instead():
-    """FSDP2 (a real fully_shard on a one-rank gloo group, in a process of its own): clipping by the global
-    norm and skipping non-finite steps would run collectives at a step each rank picks for itself, so the
-    job refuses them and says what to put in the loop; clipping each value needs no other rank."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "-c", SHARDED_JOB, str(root)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(root)}, cwd=root)
-    assert out.returncode == 0, out.stderr[-3000:]
-    acks = json.loads(out.stdout.strip().splitlines()[-1])
+    """FSDP2 (a real fully_shard): clipping by the global norm and skipping non-finite steps would run
+    collectives at a step each rank picks for itself, so the job refuses them and says what to put in the
+    loop instead; clipping each value needs no other rank."""
+    acks = sharded_job("""
+        from tests.test_interventions import _cmd, _model, _train
+        model = _model()
+        for m in model:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m)
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        sink = probes.MemorySink()
+        probe = probes.attach(model, opt, run="sharded", sink=sink, interval=5, flush_interval=60,
+                              allow=["grad_clip", "skip_nonfinite"], spool_dir=tempfile.mkdtemp())
+        _train(model, opt, probe, sink, 6, commands={2: [_cmd("f-1", "grad_clip", max_norm=1.0),
+                                                         _cmd("f-2", "grad_clip", relative=2.0),
+                                                         _cmd("f-3", "skip_nonfinite"),
+                                                         _cmd("f-4", "grad_clip", clip_value=0.5)]})
+        probe.close()
+        out.update({e["fix_id"]: [e["status"], e.get("reason") or ""] for e in sink.events if e["kind"] == "fix_ack"})
+    """)
     for fix_id in ("f-1", "f-2"):
         assert acks[fix_id][0] == "rejected" and "sharded across ranks (FSDP2)" in acks[fix_id][1]
         assert "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)" in acks[fix_id][1]
