@@ -2,6 +2,7 @@
 
     python benchmarks/distributed.py            # both parts
     python benchmarks/distributed.py --quick    # fewer repeats (about a minute)
+    python benchmarks/distributed.py --part overhead --fsdp   # the same model sharded with FSDP2 (fully_shard)
 
 1. Overhead: two ranks (gloo, CPU, forked from this process) train an MLP in blocks of steps,
    alternating blocks without the probe and with it (default sampling: every 50th step, every default
@@ -76,6 +77,13 @@ def _overhead_rank(rank: int, cfg: dict, out: "mp.Queue") -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
                                 torch.nn.Linear(512, 10))
+    if cfg["fsdp"]:  # FSDP2 shards the model in place, once: every block trains the same sharded model
+        from torch.distributed.fsdp import fully_shard
+
+        for m in model:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m)
+        fully_shard(model)
     xs = torch.randn(cfg["steps"], 64, 256)
     ys = torch.randint(0, 10, (cfg["steps"], 64))
     kinds = ["none", "probe"] + (["probe+time_allreduce"] if cfg["time_allreduce"] else [])
@@ -83,7 +91,7 @@ def _overhead_rank(rank: int, cfg: dict, out: "mp.Queue") -> None:
     run = f"bench-ddp-{cfg['tag']}"
     for rep in range(cfg["repeats"]):
         for kind in (kinds if rep % 2 == 0 else kinds[::-1]):
-            ddp = DDP(model)
+            ddp = model if cfg["fsdp"] else DDP(model)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
             probe = (probes.attach(ddp, opt, server=cfg["server"], run=run, time_allreduce=kind.endswith("allreduce"))
                      if kind != "none" else None)
@@ -105,13 +113,13 @@ def _overhead_rank(rank: int, cfg: dict, out: "mp.Queue") -> None:
     dist.destroy_process_group()
 
 
-def overhead(server: str, repeats: int, steps: int, time_allreduce: bool = False) -> list[dict]:
+def overhead(server: str, repeats: int, steps: int, time_allreduce: bool = False, fsdp: bool = False) -> list[dict]:
     import torch.multiprocessing as tmp
 
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     cfg = {"port": free_port(), "server": server, "repeats": repeats, "steps": steps, "tag": uuid.uuid4().hex[:6],
-           "time_allreduce": time_allreduce}
+           "time_allreduce": time_allreduce, "fsdp": fsdp}
     tmp.start_processes(_overhead_rank, args=(cfg, q), nprocs=2, start_method="fork", join=True)
     rows = []
     for rank, times in sorted(q.get() for _ in range(2)):
@@ -200,7 +208,11 @@ def main() -> None:
     ap.add_argument("--part", choices=["all", "overhead", "ingest"], default="all")
     ap.add_argument("--time-allreduce", action="store_true",
                     help="also measure the probe with time_allreduce=True (the timed DDP communication hook)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="shard the model with FSDP2's fully_shard instead of wrapping it in DDP (overhead part)")
     args = ap.parse_args()
+    if args.fsdp and args.time_allreduce:
+        ap.error("--time-allreduce times DDP's communication hook; FSDP2 has none")
     import torch._dynamo  # noqa: F401 - DDP imports it when built; import once, before forking the ranks
 
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
@@ -209,9 +221,10 @@ def main() -> None:
         try:
             if args.part in ("all", "overhead"):
                 repeats, steps = (8, 100) if args.quick else (40, 100)
-                print(f"\n1. probe overhead per rank, 2-rank DDP (gloo, CPU), default sampling (every "
-                      f"{probes.DEFAULT_INTERVAL}th step), {repeats} alternating blocks of {steps} steps, medians")
-                for row in overhead(url, repeats, steps, args.time_allreduce):
+                print(f"\n1. probe overhead per rank, 2-rank {'FSDP2' if args.fsdp else 'DDP'} (gloo, CPU), default "
+                      f"sampling (every {probes.DEFAULT_INTERVAL}th step), {repeats} alternating blocks of {steps} "
+                      "steps, medians")
+                for row in overhead(url, repeats, steps, args.time_allreduce, args.fsdp):
                     print(f"   rank {row['rank']} [{row['kind']}]: wall none {row['none_ms_per_step']:.3f} ms/step, probe "
                           f"{row['probe_ms_per_step']:.3f} ms/step, paired ratio {row['ratio']:.3f}; CPU none "
                           f"{row['cpu_none_ms_per_step']:.3f} ms/step, probe {row['cpu_probe_ms_per_step']:.3f} ms/step, "
