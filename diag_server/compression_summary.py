@@ -15,7 +15,7 @@ import math
 from schemas.records import CompressionRecipe, LayerRecipe
 
 from .errors import ApiError
-from .queries import require_run
+from .queries import require_run, stats_table
 from .store import Store
 
 # Gradient samples averaged for each layer's Fisher estimate.
@@ -57,10 +57,13 @@ def recipe(store: Store, run: str, target_sparsity: float) -> CompressionRecipe:
     if last is None:
         raise ApiError(409, "no_data", f"run {run!r} has sent no weight statistics yet; the recipe needs the "
                        "'weights' and 'gradients' collections")
+    # A model sharded across ranks (FSDP2) sends a row per shard: read the whole tensors' rows.
     weights = {r["tensor"]: r for r in conn.execute(
-        "SELECT tensor, numel, mean, std FROM stats WHERE run=? AND collection='weights' AND step=?", (run, last))}
+        f"SELECT tensor, numel, mean, std FROM {stats_table(conn, run, 'weights')} WHERE run=? AND "
+        "collection='weights' AND step=?", (run, last))}
     fisher: dict[str, list[float]] = {}
-    for r in conn.execute("SELECT tensor, norm, numel FROM stats WHERE run=? AND collection='gradients' AND step IN "
+    for r in conn.execute(f"SELECT tensor, norm, numel FROM {stats_table(conn, run, 'gradients')} WHERE run=? AND "
+                          "collection='gradients' AND step IN "
                           "(SELECT DISTINCT step FROM stats WHERE run=? AND collection='gradients' AND step <= ? "
                           "ORDER BY step DESC LIMIT ?)", (run, run, last, FISHER_SAMPLES)):
         if r["norm"] is not None and r["numel"]:

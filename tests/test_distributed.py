@@ -186,6 +186,9 @@ def test_fsdp2_ranks_report_the_shards_they_hold_and_together_the_whole_tensors(
     heat = _get(jobs, f"/v1/runs/{run}/heatmap", collection="gradients")
     row = heat["values"][heat["tensors"].index("1.weight")]
     assert dict(zip(heat["steps"], row)) == pytest.approx(whole, rel=1e-4)
+    # The compression recipe (from the summary statistics) sizes layers by the whole tensors.
+    recipe = _get(jobs, f"/v1/runs/{run}/compression", target_sparsity=0.5)
+    assert {layer["name"]: layer["numel"] for layer in recipe["layers"]} == {"1.weight": 32 * 64, "3.weight": 64}
     # A data-parallel run's replicas are not added up: every rank's points, as before.
     ddp = _get(jobs, "/v1/runs/torchrun-ok4/series/module.1.weight", collection="weights", field="numel")["points"]
     assert {p["value"] for p in ddp} == {32 * 64} and len(ddp) == 4 * 12
