@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from . import fixes
+from . import fixes, signals
 from .capture import Capture
 from .amp import ScalerWatch
 from .collect import COLLECTIONS, Collection, HostCopy, Phases
@@ -74,13 +74,18 @@ def _close_at_exit() -> None:
     # notebook) it may be an earlier cell's, which did not end the job.
     interactive = hasattr(sys, "ps1") or "IPython" in sys.modules
     err = None if interactive else getattr(sys, "last_value", None)
-    reason = "exit without close()" if err is None else f"exit after {type(err).__name__}: {err}"[:256]
+    _close_open("exit without close()" if err is None else f"exit after {type(err).__name__}: {err}"[:256], 5.0)
+
+
+def _close_open(reason: str, timeout: float) -> None:
+    """Close this process's open probes (at exit, or on SIGTERM: probes/signals.py), each ending its run
+    with ``reason``."""
     for probe in list(_OPEN):
         if probe._pid == os.getpid():  # not a forked child's copy of its parent's probe
             try:
-                probe.close(timeout=5.0, reason=reason)
+                probe.close(timeout=timeout, reason=reason)
             except Exception:  # noqa: BLE001 - the next probe, and the interpreter's other exit handlers
-                log.warning("traindx: could not close probe %s at exit", probe.run, exc_info=True)
+                log.warning("traindx: could not close probe %s (%s)", probe.run, reason, exc_info=True)
 
 
 atexit.register(_close_at_exit)
@@ -224,6 +229,7 @@ class Probe:
         self._arm(0)
         self._pid = os.getpid()
         _OPEN.add(self)
+        signals.install(_close_open)  # a job stopped with SIGTERM ends its run saying so
         self.prev_end = time.perf_counter()
 
     # -- public API ----------------------------------------------------------------------------------

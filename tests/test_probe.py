@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 
 import pytest
 import torch
@@ -300,6 +301,82 @@ def test_a_probe_left_open_is_closed_at_exit_and_nothing_it_held_is_lost(ending,
     assert {e["step"] for e in events if e["kind"] == "tensor_stats" and e["collection"] == "embeddings"} >= {200}
     reason = events[-1]["reason"]
     assert reason == ("exit without close()" if ending == "return" else "exit after RuntimeError: boom at step 203")
+
+
+_TERMINATED = """
+import os, signal, sys, time, torch, probes
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+mode = sys.argv[2]
+stop = []
+if mode == "own-handler":
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+# flush_interval=60: nothing is sent before the end unless the probe is closed
+probe = probes.attach(model, opt, sink=probes.FileSink(sys.argv[1]), interval=10, flush_interval=60)
+if mode == "loop":  # a forked child (as a DataLoader worker is) stopped with SIGTERM is not its parent
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    time.sleep(0.5)
+    os.kill(child, signal.SIGTERM)
+    _, status = os.waitpid(child, 0)
+    print("child", os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1, flush=True)
+    time.sleep(3)  # longer than the watchdog would wait, had the child's signal reached it
+step = 0
+while not stop:
+    loss = model(torch.randn(16, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step(); probe.step(loss=loss)
+    step += 1
+    if step == 50:
+        print("ready", flush=True)
+    if step == 50 and mode == "busy":  # one C call of minutes: the interpreter does not run in between
+        torch.linalg.matrix_power(torch.rand(3000, 3000), 2 ** 62)
+"""
+
+
+@pytest.mark.parametrize("mode", ["loop", "busy", "own-handler"])
+def test_a_job_stopped_with_sigterm_ends_its_run_saying_so_and_still_dies_of_it(mode, tmp_path):
+    """SIGTERM (a scheduler's preemption or time limit, kill) used to end the job with the events the
+    sender had not sent (here all of them) and no run_end. Now the probes are closed first, and the process
+    then dies of SIGTERM as before; a job busy in one long C call dies within seconds too (the watchdog),
+    a forked child's SIGTERM is not its parent's, and a job's own SIGTERM handler is left alone."""
+    import signal
+    import subprocess
+
+    import orjson
+
+    out = tmp_path / "run.jsonl"
+    job = subprocess.Popen([sys.executable, "-c", _TERMINATED, str(out), mode], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while "ready" not in lines:
+            line = job.stdout.readline()
+            assert line, job.stderr.read()
+            lines.append(line.strip())
+        time.sleep(0.5)
+        sent = time.monotonic()
+        job.send_signal(signal.SIGTERM)
+        code = job.wait(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        job.kill()
+    events = [e for line in out.read_bytes().splitlines() for e in orjson.loads(line)["events"]]
+    assert events[0]["kind"] == "run_start" and events[-1]["kind"] == "run_end"
+    losses = sorted(e["step"] for e in events if e["kind"] == "scalars" and "loss" in e["values"])
+    assert losses[:50] == list(range(50))  # nothing the job measured before the signal is lost
+    if mode == "own-handler":  # its handler ran: the loop ended, and the probe was closed at exit
+        assert code == 0 and events[-1]["reason"] == "exit without close()"
+        return
+    assert events[-1]["reason"] == "killed by SIGTERM"
+    if mode == "loop":
+        assert code == -signal.SIGTERM, job.stderr.read()  # died of the signal, as without the probe
+        assert "child 15" in lines  # the child died of its SIGTERM, and the parent trained on
+        assert events[-1]["step"] == losses[-1] + 1
+    else:  # busy in matrix_power for minutes: the watchdog closed the probes and ended the process
+        assert code == 128 + signal.SIGTERM and took < 15, (code, took)
 
 
 def test_a_job_that_dies_of_an_exception_says_so_in_its_run_summary(session_server):
