@@ -103,7 +103,9 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
             add_message(conn, run, ev.step, ev.time, ev.level, ev.text, rank)
         elif ev.kind == "run_end":
             if ev.reason != "closed":  # the probe was closed at exit: say how the job ended (an exception?)
-                level = "error" if ev.reason.startswith("exit after") else "info"
+                # an exception ended it: an error; a signal (a scheduler's preemption, kill): a warning
+                level = ("error" if ev.reason.startswith("exit after") else
+                         "warning" if ev.reason.startswith("killed by") else "info")
                 add_message(conn, run, ev.step, ev.time, level, f"the job ended: {ev.reason}", rank)
             if not ranks.ended(conn, run, rank):
                 continue

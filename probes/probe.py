@@ -241,6 +241,17 @@ class Probe:
         """Call once per training step, after ``optimizer.step()``. Never raises."""
         if self._closed:
             return
+        # A SIGTERM arriving in the middle of a step waits for its end: the step may hold values (the
+        # losses being sent) in its own frame, which closing the probe from the handler would lose.
+        signals.stepping += 1
+        try:
+            self._step_once(loss, scalars)
+        finally:
+            signals.stepping -= 1
+            if signals.pending and not signals.stepping:
+                signals.deliver()
+
+    def _step_once(self, loss: Any, scalars: dict) -> None:
         now = time.perf_counter()
         if self._mode != TRAIN:
             self._mode_step(now, loss, scalars)

@@ -41,6 +41,10 @@ _installed = False
 _lock = threading.Lock()
 _started = threading.Event()  # a SIGTERM is being handled: the process is on its way out
 _pipe: tuple[int, int] | None = None
+# Probe.step() calls in progress in this thread (the main one, where the handler runs), and whether a
+# SIGTERM came during one: it is delivered when the step ends (see Probe.step).
+stepping = 0
+pending = False
 
 
 def install(close: Callable[[str, float], None]) -> None:
@@ -129,9 +133,27 @@ def _close_probes() -> None:
 
 
 def _handler(signum: int, frame: object) -> None:
-    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    global pending
+    if stepping:  # inside probe.step(): finish the step first (it calls deliver() on its way out)
+        pending = True
+        return
+    deliver()
+
+
+def deliver() -> None:
+    """Close the probes and die of SIGTERM: in the handler, or at the end of the step it interrupted."""
+    global pending
+    pending = False
+    signum = signal.SIGTERM
+    try:
+        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        main = True
+    except ValueError:  # the step that was interrupted runs in another thread: it cannot touch handlers
+        main = False
     if _claim():
         _close_probes()
     else:  # the watchdog got there first (the main thread was busy): it ends the process when done
         time.sleep(FLUSH_S + 1.0)
+    if not main:
+        os._exit(128 + signum)
     os.kill(os.getpid(), signum)  # what SIGTERM does by default: the process dies of it

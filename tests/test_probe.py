@@ -313,7 +313,9 @@ stop = []
 if mode == "own-handler":
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 # flush_interval=60: nothing is sent before the end unless the probe is closed
-probe = probes.attach(model, opt, sink=probes.FileSink(sys.argv[1]), interval=10, flush_interval=60)
+where = sys.argv[1]  # a file, or a server's URL
+sink = dict(server=where, run=sys.argv[3]) if where.startswith("http") else dict(sink=probes.FileSink(where))
+probe = probes.attach(model, opt, interval=10, flush_interval=60, **sink)
 if mode == "loop":  # a forked child (as a DataLoader worker is) stopped with SIGTERM is not its parent
     child = os.fork()
     if child == 0:
@@ -377,6 +379,30 @@ def test_a_job_stopped_with_sigterm_ends_its_run_saying_so_and_still_dies_of_it(
         assert events[-1]["step"] == losses[-1] + 1
     else:  # busy in matrix_power for minutes: the watchdog closed the probes and ended the process
         assert code == 128 + signal.SIGTERM and took < 15, (code, took)
+
+
+def test_a_job_stopped_with_sigterm_shows_as_ended_with_a_warning_saying_so(session_server):
+    import os
+    import signal
+    import subprocess
+
+    run = "stopped-by-sigterm"
+    job = subprocess.Popen([sys.executable, "-c", _TERMINATED, session_server.url, "loop", run], text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env={**os.environ, "TRAINDX_TOKEN": session_server.token})
+    try:
+        while "ready" not in job.stdout.readline():
+            pass
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        job.kill()
+    with session_server.client() as c:
+        summary = c.get(f"/v1/runs/{run}").json()
+    assert summary["run"]["status"] == "ended"  # not 'stale', as a job killed this way was before
+    last = summary["messages"][-1]
+    assert (last["level"], last["text"]) == ("warning", "the job ended: killed by SIGTERM")
+    assert last["step"] == summary["run"]["last_step"] >= 50
 
 
 def test_a_job_that_dies_of_an_exception_says_so_in_its_run_summary(session_server):
