@@ -85,7 +85,15 @@ async def triage(client: Client, run: str, *, timeout: float = 60.0, poll: float
                                          skip=handled)
         if anomaly is None:
             if not handled:
-                note(f"no anomaly of warning or critical severity in {timeout:.0f}s: the run looks healthy")
+                # No anomaly is not yet a healthy run: the probe may have degraded (a hook that raised,
+                # dropped events) or the job may have died; the run's messages say so.
+                messages = (await call(client, "get_run", run=run)).get("messages", [])
+                worrying = [m for m in messages if m["level"] in ("warning", "error")]
+                if worrying:
+                    note(f"no anomaly of warning or critical severity in {timeout:.0f}s, but the run's messages say: "
+                         + "; ".join(f"step {m['step']}: {m['text']}" for m in worrying[-3:]))
+                else:
+                    note(f"no anomaly of warning or critical severity in {timeout:.0f}s: the run looks healthy")
             return out
         if out.anomaly is None:
             out.anomaly = anomaly

@@ -88,3 +88,28 @@ def test_a_read_only_job_rejects_fixes(server):
     assert out.fix is None
     # Nothing changed in the job: the learning rate stayed where the fault put it.
     assert box["result"].lrs[-1] == pytest.approx(0.1)
+
+
+def test_an_agent_that_finds_no_anomaly_still_reports_what_the_run_said(session_server):
+    """No anomaly is not yet a healthy run: a probe that degraded, or a job that was killed, says so in the
+    run's messages, and the scripted agent reports them instead of calling the run healthy."""
+    import uuid
+
+    run = "e2e-quiet-but-degraded"
+    events = [{"kind": "run_start", "step": 0, "time": 1.0},
+              {"kind": "scalars", "step": 1, "time": 1.0, "values": {"loss": 0.5}},
+              {"kind": "message", "step": 7, "time": 2.0, "level": "error",
+               "text": "probe error in activations hook: RuntimeError: boom"},
+              {"kind": "message", "step": 8, "time": 2.0, "level": "info", "text": "an ordinary note"}]
+    with session_server.client() as c:
+        c.post("/v1/ingest", json={"batch_id": uuid.uuid4().hex, "run": run, "seq": 0, "events": events}
+               ).raise_for_status()
+
+    async def go():
+        async with connect(f"{session_server.url}/mcp") as client:
+            return await triage(client, run, timeout=1, say=lambda m: None)
+
+    out = asyncio.run(go())
+    assert out.anomaly is None
+    assert out.log == ["no anomaly of warning or critical severity in 1s, but the run's messages say: "
+                       "step 7: probe error in activations hook: RuntimeError: boom"]
