@@ -88,6 +88,16 @@ def _close_open(reason: str, timeout: float) -> None:
                 log.warning("traindx: could not close probe %s (%s)", probe.run, reason, exc_info=True)
 
 
+def _flush_open(timeout: float) -> None:
+    """Send what this process's open probes hold, leaving them open (SIGTERM under another handler)."""
+    for probe in list(_OPEN):
+        if probe._pid == os.getpid():
+            try:
+                probe.flush(timeout)
+            except Exception:  # noqa: BLE001 - the next probe
+                log.warning("traindx: could not flush probe %s", probe.run, exc_info=True)
+
+
 atexit.register(_close_at_exit)
 
 
@@ -229,7 +239,7 @@ class Probe:
         self._arm(0)
         self._pid = os.getpid()
         _OPEN.add(self)
-        signals.install(_close_open)  # a job stopped with SIGTERM ends its run saying so
+        signals.install(_close_open, _flush_open)  # a job stopped with SIGTERM ends its run saying so
         self.prev_end = time.perf_counter()
 
     # -- public API ----------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ handler writes the signal's number to a pipe at once): if the handler has not st
 ``WATCHDOG_S`` seconds, the watchdog closes the probes itself and ends the process with status 143
 (128 + SIGTERM, what a shell reports for a process killed by SIGTERM). When the job (or asyncio) already
 uses the wakeup fd, there is no watchdog and the handler alone does the work. A forked child (a
-DataLoader worker) drops the wakeup fd: a signal to the child is not the parent's.
+DataLoader worker) drops the wakeup fd: a signal to the child is not the parent's. When another library
+later installs its own handler and calls ours from it (Lightning composes the handlers it finds, and its
+SLURM auto-requeue keeps the job running through SIGTERM), ours only flushes the probes: whether the
+process ends is that handler's decision.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ FLUSH_S = 5.0
 WATCHDOG_S = 2.0
 
 _close: Callable[[str, float], None] | None = None  # closes the open probes of this process
+_flush: Callable[[float], None] | None = None  # sends what they hold, leaving them open
 _installed = False
 _lock = threading.Lock()
 _started = threading.Event()  # a SIGTERM is being handled: the process is on its way out
@@ -47,11 +51,11 @@ stepping = 0
 pending = False
 
 
-def install(close: Callable[[str, float], None]) -> None:
+def install(close: Callable[[str, float], None], flush: Callable[[float], None]) -> None:
     """Handle SIGTERM from now on (see the module docstring), when it is ours to handle: POSIX, the main
     thread, and SIGTERM still at its default action. Called at every attach; installs once."""
-    global _close, _installed
-    _close = close
+    global _close, _flush, _installed
+    _close, _flush = close, flush
     if _installed or os.name != "posix" or threading.current_thread() is not threading.main_thread():
         return
     try:
@@ -108,6 +112,8 @@ def _watch(r: int) -> None:
         if not data:
             return
         if signal.SIGTERM in data:
+            if signal.getsignal(signal.SIGTERM) is not _handler:
+                continue  # another library's handler decides now (see _handler)
             if not _started.wait(WATCHDOG_S) and _claim():
                 _close_probes()
                 os._exit(128 + signal.SIGTERM)
@@ -134,6 +140,16 @@ def _close_probes() -> None:
 
 def _handler(signum: int, frame: object) -> None:
     global pending
+    if signal.getsignal(signum) is not _handler:
+        # Installed since by another library that calls ours as part of its own (Lightning composes the
+        # handlers it finds): whether the process ends is its decision (its SLURM requeue keeps the job
+        # running). Deliver what the probes hold, and leave them open.
+        if _flush is not None:
+            try:
+                _flush(FLUSH_S)
+            except Exception:  # noqa: BLE001 - inside someone else's signal handler
+                log.warning("traindx: could not flush the probes on SIGTERM", exc_info=True)
+        return
     if stepping:  # inside probe.step(): finish the step first (it calls deliver() on its way out)
         pending = True
         return

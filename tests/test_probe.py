@@ -316,6 +316,12 @@ if mode == "own-handler":
 where = sys.argv[1]  # a file, or a server's URL
 sink = dict(server=where, run=sys.argv[3]) if where.startswith("http") else dict(sink=probes.FileSink(where))
 probe = probes.attach(model, opt, interval=10, flush_interval=60, **sink)
+if mode == "composed":  # a library that installs its handler later and calls the one it found (Lightning)
+    found = signal.getsignal(signal.SIGTERM)
+    def composed(signum, frame):
+        stop.append(1)
+        found(signum, frame)
+    signal.signal(signal.SIGTERM, composed)
 if mode == "loop":  # a forked child (as a DataLoader worker is) stopped with SIGTERM is not its parent
     child = os.fork()
     if child == 0:
@@ -335,15 +341,19 @@ while not stop:
         print("ready", flush=True)
     if step == 50 and mode == "busy":  # one C call of minutes: the interpreter does not run in between
         torch.linalg.matrix_power(torch.rand(3000, 3000), 2 ** 62)
+if mode == "composed":
+    print("flushed", sum(1 for line in open(sys.argv[1])), flush=True)  # before the exit closes the probe
+    time.sleep(3)  # longer than the watchdog waits: it must leave the decision to the composed handler
 """
 
 
-@pytest.mark.parametrize("mode", ["loop", "busy", "own-handler"])
+@pytest.mark.parametrize("mode", ["loop", "busy", "own-handler", "composed"])
 def test_a_job_stopped_with_sigterm_ends_its_run_saying_so_and_still_dies_of_it(mode, tmp_path):
     """SIGTERM (a scheduler's preemption or time limit, kill) used to end the job with the events the
     sender had not sent (here all of them) and no run_end. Now the probes are closed first, and the process
     then dies of SIGTERM as before; a job busy in one long C call dies within seconds too (the watchdog),
-    a forked child's SIGTERM is not its parent's, and a job's own SIGTERM handler is left alone."""
+    a forked child's SIGTERM is not its parent's, and a job's own SIGTERM handler is left alone; a handler
+    installed later that calls ours (as Lightning's does) decides, ours only flushes the probe."""
     import signal
     import subprocess
 
@@ -369,8 +379,10 @@ def test_a_job_stopped_with_sigterm_ends_its_run_saying_so_and_still_dies_of_it(
     assert events[0]["kind"] == "run_start" and events[-1]["kind"] == "run_end"
     losses = sorted(e["step"] for e in events if e["kind"] == "scalars" and "loss" in e["values"])
     assert losses[:50] == list(range(50))  # nothing the job measured before the signal is lost
-    if mode == "own-handler":  # its handler ran: the loop ended, and the probe was closed at exit
+    if mode in ("own-handler", "composed"):  # their handler ran: the loop ended; the probe was closed at exit
         assert code == 0 and events[-1]["reason"] == "exit without close()"
+        if mode == "composed":  # ours flushed what the probe held at the signal (nothing had been sent)
+            assert int(job.stdout.read().split()[1]) >= 1
         return
     assert events[-1]["reason"] == "killed by SIGTERM"
     if mode == "loop":
