@@ -17,9 +17,8 @@ from . import captures, evidence, ranks
 from .compression import store_profiles
 from .engine import Engine, loss_median
 from .errors import ApiError
-from .store import add_message
 from .rules import Observations
-from .store import STAT_COLUMNS, Store
+from .store import STAT_COLUMNS, Store, add_message
 
 MAX_BODY_BYTES = 32 << 20  # a full batch of the largest events fits well inside this
 DEFAULT_INTERVAL = 100  # the probe's default (probes.DEFAULT_INTERVAL), for runs that sent no run_start
@@ -102,7 +101,7 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
         elif ev.kind == "message":
             add_message(conn, run, ev.step, ev.time, ev.level, ev.text, rank)
         elif ev.kind == "run_end":
-            if ev.reason != "closed":  # the probe was closed at exit: say how the job ended (an exception?)
+            if ev.reason != "closed":  # closed at exit or on a signal, not by the job: say how it ended
                 # an exception ended it: an error; a signal (a scheduler's preemption, kill): a warning
                 level = ("error" if ev.reason.startswith("exit after") else
                          "warning" if ev.reason.startswith("killed by") else "info")

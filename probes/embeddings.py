@@ -56,6 +56,7 @@ import torch
 
 from .collect import Collection, HostCopy, guarded
 from .fixes import Applied, FixRejected, Target, _number
+from .stats import sharded
 
 # Width of the random projections that stand in for a row's vectors. 8 keeps the state at 96 bytes a
 # row (vs 128-256 for a 32-64 wide float32 row); JL error ~ 1/sqrt(8) per estimate.
@@ -788,12 +789,12 @@ class Embeddings(Collection):
         found = find_tables(probe.model)
         # A table sharded across ranks (FSDP2's DTensor) is looked up whole in the forward and its gradient
         # lands in shards: its rows' statistics would need the other ranks' shards. Left out, and said so.
-        sharded = [n for n, w, _ in found if hasattr(w, "placements")]
-        self.note = (f"embeddings: {', '.join(sharded)} {'is' if len(sharded) == 1 else 'are'} sharded across "
+        left_out = [n for n, w, _ in found if sharded(w)]
+        self.note = (f"embeddings: {', '.join(left_out)} {'is' if len(left_out) == 1 else 'are'} sharded across "
                      "ranks (FSDP2); per-row statistics need a whole table on one rank, so "
-                     f"{'it is' if len(sharded) == 1 else 'they are'} not tracked (leave the table out of "
-                     "fully_shard to track it)") if sharded else None
-        self.tables = [TableState(n, w, mods, seed=i) for i, (n, w, mods) in enumerate(found) if n not in sharded]
+                     f"{'it is' if len(left_out) == 1 else 'they are'} not tracked (leave the table out of "
+                     "fully_shard to track it)") if left_out else None
+        self.tables = [TableState(n, w, mods, seed=i) for i, (n, w, mods) in enumerate(found) if n not in left_out]
         self._handles: list[Any] = []
         self._step = 0
         self._stepped = False

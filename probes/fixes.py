@@ -13,6 +13,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .stats import sharded
+
 Undo = Callable[[], dict]
 
 
@@ -172,7 +174,7 @@ def _trainable(t: Target) -> list[torch.nn.Parameter]:
 def _refuse_if_sharded(ps: list[torch.nn.Parameter], what: str, instead: str) -> None:
     """A fix whose arithmetic spans a whole gradient cannot run on a sharded model (FSDP2's DTensor): there it
     is an all-reduce, which every rank must enter at the same step, and a fix reaches each rank at its own."""
-    if any(hasattr(p, "placements") for p in ps):
+    if any(sharded(p) for p in ps):
         raise FixRejected(f"the model is sharded across ranks (FSDP2): {what} needs an all-reduce that every rank "
                           f"enters at the same step, and a live fix reaches each rank at its own step; {instead}")
 

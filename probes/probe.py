@@ -31,7 +31,7 @@ from .rollback import RollbackBuffer
 from .sender import Sender
 from .sinks import FileSink, HttpSink, Sink
 from .snapshot import Snapshots
-from .stats import local
+from .stats import local, sharded
 
 log = logging.getLogger("traindx.probe")
 
@@ -77,25 +77,24 @@ def _close_at_exit() -> None:
     _close_open("exit without close()" if err is None else f"exit after {type(err).__name__}: {err}"[:256], 5.0)
 
 
-def _close_open(reason: str, timeout: float) -> None:
-    """Close this process's open probes (at exit, or on SIGTERM: probes/signals.py), each ending its run
-    with ``reason``."""
+def _each_open(what: str, act: Callable[[Probe], Any]) -> None:
+    """``act`` on each of this process's open probes; one that fails does not stop the others."""
     for probe in list(_OPEN):
         if probe._pid == os.getpid():  # not a forked child's copy of its parent's probe
             try:
-                probe.close(timeout=timeout, reason=reason)
+                act(probe)
             except Exception:  # noqa: BLE001 - the next probe, and the interpreter's other exit handlers
-                log.warning("traindx: could not close probe %s (%s)", probe.run, reason, exc_info=True)
+                log.warning("traindx: could not %s probe %s", what, probe.run, exc_info=True)
+
+
+def _close_open(reason: str, timeout: float) -> None:
+    """Close the open probes (at exit, or on SIGTERM: probes/signals.py), each ending its run with ``reason``."""
+    _each_open(f"close ({reason})", lambda probe: probe.close(timeout=timeout, reason=reason))
 
 
 def _flush_open(timeout: float) -> None:
-    """Send what this process's open probes hold, leaving them open (SIGTERM under another handler)."""
-    for probe in list(_OPEN):
-        if probe._pid == os.getpid():
-            try:
-                probe.flush(timeout)
-            except Exception:  # noqa: BLE001 - the next probe
-                log.warning("traindx: could not flush probe %s", probe.run, exc_info=True)
+    """Send what the open probes hold, leaving them open (SIGTERM under another library's handler)."""
+    _each_open("flush", lambda probe: probe.flush(timeout))
 
 
 atexit.register(_close_at_exit)
@@ -854,10 +853,9 @@ def _rule_config(rules: Mapping[str, Mapping[str, float] | bool] | None) -> dict
 def _param_info(name: str, p: torch.Tensor) -> dict:
     info = {"name": name, "shape": list(p.shape), "numel": p.numel(), "trainable": p.requires_grad,
             "dtype": str(p.dtype).replace("torch.", "")}
-    shard = local(p)
-    if shard is not p:  # FSDP2: this rank holds one shard, and its statistics are of that shard
-        info["local_numel"] = shard.numel()
-        info["placements"] = ", ".join(str(x) for x in getattr(p, "placements", ()))[:256]
+    if sharded(p):  # FSDP2: this rank holds one shard, and its statistics are of that shard
+        info["local_numel"] = local(p).numel()
+        info["placements"] = ", ".join(str(x) for x in p.placements)[:256]
     return info
 
 

@@ -23,13 +23,16 @@ CHUNK_ELEMENTS = 1 << 24
 EXACT_COUNT = 1 << 24
 
 
+def sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor: FSDP2 shards each parameter and its gradient across the ranks."""
+    return hasattr(t, "to_local")
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this process holds: a DTensor's local shard (FSDP2 shards each parameter and its
-    gradient across the ranks), else ``t`` itself. Statistics are taken over it, so that one rank never
-    waits on the others (a DTensor's own reductions are collectives) and each row describes what its
-    rank holds: its ``numel`` is the shard's."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    """The part of ``t`` this process holds: a DTensor's local shard (see ``sharded``), else ``t`` itself.
+    Statistics are taken over it, so that one rank never waits on the others (a DTensor's own reductions
+    are collectives) and each row describes what its rank holds: its ``numel`` is the shard's."""
+    return t.to_local() if sharded(t) else t
 
 
 def _segment_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

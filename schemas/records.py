@@ -99,8 +99,8 @@ class RunList(_Record):
 
 class RunMessage(_Record):
     """Something a person should know about the job that is not an anomaly: the probe degraded or
-    skipped a hook, the run's rule settings were ignored, the job ended without closing its probe or on
-    an uncaught exception."""
+    skipped a hook, the run's rule settings were ignored, the job ended without closing its probe, on an
+    uncaught exception or killed by a signal."""
 
     step: int
     time: Time
