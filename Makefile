@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: venv demo test clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py probes/_fastats.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .stats import finite_stats, host_stats, local, rows_from_stats
+from .stats import alive_units, copy_norms, cpu_row, diff_norms, host_stats, local, rows_from_stats
 
 # Activation outputs within this distance of a bound count as saturated. Same 1% band as the
 # saturation check in Glorot & Bengio (2010), sec. 3.
@@ -242,9 +242,9 @@ class Updates(Collection):
         self._owners: list[torch.Tensor] = []  # the parameters the buffers were made for
         self._params: list[torch.Tensor] = []
         self._before: list[torch.Tensor] = []
-        self._base: list[torch.Tensor] = []
+        self._base: list[torch.Tensor] | list[float] = []  # ||w_before||: host floats from the native kernel
         self._copied = False
-        self._result: torch.Tensor | None = None
+        self._result: torch.Tensor | list[list[float]] | None = None
 
     def phase_hooks(self) -> dict[str, Callable] | None:
         return {"opt0": self._pre, "opt1": self._post} if self.probe.optimizer is not None else None
@@ -261,8 +261,12 @@ class Updates(Collection):
             self._names = [n for n, _ in named]
             self._before = [torch.empty_like(p) for p in params]
         self._owners, self._params = owners, params
-        if params:
-            # ||w_before|| now, while the weights are in cache (the optimizer's step evicts them).
+        # ||w_before|| now, while the weights are in cache (the optimizer's step evicts them). On the CPU
+        # the native kernel takes it while copying (one pass); else one foreach pass each.
+        base = copy_norms(self._before, params) if params else None
+        if base is not None:
+            self._base = base
+        elif params:
             self._base = torch._foreach_norm(params)
             if hasattr(torch, "_foreach_copy_"):
                 torch._foreach_copy_(self._before, params)
@@ -275,6 +279,9 @@ class Updates(Collection):
         if not self._copied:
             return
         self._copied = False
+        if self._base and isinstance(self._base[0], float):  # the native kernel's: host lists
+            self._result = [diff_norms(self._params, self._before), self._base]
+            return
         torch._foreach_sub_(self._before, self._params)  # w_before - w_after: the update's norm, negated
         self._result = torch.stack([torch.stack(torch._foreach_norm(self._before)), torch.stack(self._base)])
 
@@ -329,20 +336,20 @@ def _activation_stats(y: torch.Tensor, module: torch.nn.Module | None) -> torch.
         # A unit is dead when it is <= 0 for every sample of the batch. Units are features (B, F),
         # channels (B, C, H, W) or, for sequences (B, T, D), the last dimension.
         dim = y.dim() - 1 if y.dim() == 3 else 1
-        peak = y.amax(dim=0) if y.dim() == 2 else y.amax(dim=[d for d in range(y.dim()) if d != dim])
-        alive = (peak > 0).sum()
-        dead = 1.0 - (alive.item() if not y.is_cuda else alive) / peak.numel()
+        units = y.shape[dim]
+        if y.is_cuda:
+            peak = y.amax(dim=[d for d in range(y.dim()) if d != dim])
+            dead = 1.0 - (peak > 0).sum() / units
+        else:
+            dead = 1.0 - alive_units(y, dim) / units
     elif module is not None and type(module) in _BOUNDED:
         lo, hi = _BOUNDED[type(module)]
         band = SATURATION_MARGIN * (hi - lo)
         sat = ((y <= lo + band) | (y >= hi - band)).sum() / y.numel()
-    n = float(y.numel())
     if not y.is_cuda:
-        # On the host a branch and a read are free: finite activations (the usual case) skip the masked
-        # passes, and take the same unmasked ones as probes.stats._cpu_stats.
-        row = finite_stats(y)
-        if row is not None:
-            return [*row, float(dead), float(sat)]
+        # on the host one fused pass (probes.stats.cpu_row), NaN/Inf masked in it
+        return [*cpu_row(y), float(dead), float(sat)]
+    n = float(y.numel())
     finite = torch.isfinite(y)
     yf = torch.where(finite, y, torch.zeros((), device=dev))
     inf = torch.tensor(float("inf"), device=dev)
@@ -350,7 +357,7 @@ def _activation_stats(y: torch.Tensor, module: torch.nn.Module | None) -> torch.
     stats = torch.stack([yf.sum(), (yf * yf).sum(), torch.isnan(y).sum().float(), torch.isinf(y).sum().float(),
                          (y == 0).sum().float(), torch.where(finite, y, inf).min(), torch.where(finite, y, -inf).max(),
                          torch.tensor(n, device=dev), as_t(dead), as_t(sat)])
-    return stats if y.is_cuda else stats.tolist()
+    return stats
 
 
 class Activations(Collection):

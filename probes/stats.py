@@ -1,8 +1,9 @@
 """Per-tensor statistics, computed batched on the tensors' device.
 
-All tensors of a collection are flattened into one buffer and reduced by segment, so the cost is a
-fixed handful of kernels per collection, not per tensor, and the result is one stacked (k, 8) tensor:
-one copy to the host (asynchronous on CUDA, read a step later).
+On CUDA all tensors of a collection are flattened into one buffer and reduced by segment, so the cost
+is a fixed handful of kernels per collection, not per tensor, and the result is one stacked (8, k)
+tensor: one copy to the host, asynchronous, read a step later. On the CPU, where a read costs no sync,
+each tensor is read once by a fused native pass (``cpu_row``).
 
 Moments (mean, std, min, max) are over the finite elements; ``norm`` is the true L2 norm, so it is
 null when any element is NaN or infinite. ``nan_count`` / ``inf_count`` say which.
@@ -14,6 +15,11 @@ import math
 from typing import Sequence
 
 import torch
+
+try:  # the fused pass (probes/_fastats.c), built by setup.py where a C compiler is; else the torch path
+    from . import _fastats
+except ImportError:  # pragma: no cover - exercised by the tests with _fastats set to None
+    _fastats = None
 
 # Rows of the stacked result.
 _SUM, _SUMSQ, _NAN, _INF, _ZERO, _MIN, _MAX, _COUNT = range(8)
@@ -58,33 +64,78 @@ def _segment_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _cpu_stats(tensors: Sequence[torch.Tensor]) -> list[list[float]]:
-    """The CPU path, as host lists (the rows of ``tensor_stats``). On the host a branch costs nothing
-    and a read costs no sync, so finite tensors (the usual case) take five unmasked vectorised passes:
-    sum, min, max, a dot product for the sum of squares and one of the signs for the non-zeros. Only a
-    tensor with NaN/Inf (its sum of squares is not finite) takes the masked segment path.
-
-    ``count_nonzero``, ``aminmax`` and ``vector_norm`` are slower on the CPU than sign+dot, amin+amax and
-    dot (measured on torch 2.13: 150 vs 205 us for the 186k-parameter MLP of benchmarks/overhead.py),
-    and the float32 dot is also closer to a float64 sum of squares than ``vector_norm`` is.
-    """
-    cols = []
-    for t in tensors:
-        t = t.detach()
-        if t.dtype not in (torch.float32, torch.float64):
-            t = t.float()
-        n = t.numel()
-        if n == 0:
-            cols.append([0.0, 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf, 0.0])
-            continue
-        row = finite_stats(t)
-        # None: a NaN or Inf in it, or squares beyond float range
-        cols.append(row if row is not None else _segment_stats([t])[:, 0].tolist())
+    """The CPU path, as host lists (the rows of ``tensor_stats``): one row per tensor (``cpu_row``)."""
+    cols = [cpu_row(t) for t in tensors]
     return [list(row) for row in zip(*cols)] if cols else [[] for _ in range(8)]
 
 
+_NATIVE = (torch.float32, torch.float64)
+
+
+def native(t: torch.Tensor) -> bool:
+    """Whether the native kernel can read ``t`` in place: a contiguous float32/float64 CPU tensor."""
+    return (_fastats is not None and t.is_cpu and (t.dtype is torch.float32 or t.dtype is torch.float64)
+            and t.layout is torch.strided and t.is_contiguous() and not t.is_neg())
+
+
+def copy_norms(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> list[float] | None:
+    """Copy each of ``src`` into ``dst`` and return their L2 norms, one pass per tensor; None (nothing
+    copied) unless the native kernel can read them all (see ``native``)."""
+    if not all(native(t) for t in (*dst, *src)):
+        return None
+    return [math.sqrt(_fastats.copy_sumsq(d.data_ptr(), s.data_ptr(), s.numel(), s.dtype == torch.float64))
+            for d, s in zip(dst, src)]
+
+
+def diff_norms(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[float]:
+    """||a_i - b_i|| for tensors the native kernel reads (``copy_norms`` said so), one pass each."""
+    return [math.sqrt(_fastats.diff_sumsq(x.data_ptr(), y.data_ptr(), x.numel(), x.dtype == torch.float64))
+            for x, y in zip(a, b)]
+
+
+def cpu_row(t: torch.Tensor) -> list[float]:
+    """The eight raw sums of one CPU tensor (a column of ``tensor_stats``).
+
+    With the native kernel (``probes/_fastats.c``) a float32/float64 tensor is read once, NaN/Inf masked
+    in the same pass: 7x faster than the torch path on the MLP of benchmarks/overhead.py (39 vs 270 us
+    for its 8 parameters), whose cost is mostly the calls, not the arithmetic. Without it, finite tensors
+    (the usual case) take five unmasked vectorised torch passes (``finite_stats``) and only a tensor
+    with NaN/Inf takes the masked segment path.
+    """
+    if native(t):
+        return _fastats.stats(t.data_ptr(), t.numel(), t.dtype == torch.float64)
+    t = t.detach()
+    if t.numel() == 0:
+        return [0.0, 0.0, 0.0, 0.0, 0.0, math.inf, -math.inf, 0.0]
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.dtype not in _NATIVE:
+        t = t.float()  # half, bfloat16, integers: a float32 copy
+    if _fastats is not None:
+        return cpu_row(t.contiguous().resolve_neg())  # a copy only where the layout needs one
+    row = finite_stats(t)
+    # None: a NaN or Inf in it, or squares beyond float range
+    return row if row is not None else _segment_stats([t])[:, 0].tolist()
+
+
+def alive_units(y: torch.Tensor, dim: int) -> int:
+    """How many units along ``dim`` of a float CPU tensor are > 0 for some sample (the rest are dead)."""
+    if _fastats is not None and y.dtype in _NATIVE and y.layout == torch.strided and not y.is_neg():
+        y = y.contiguous()
+        shape = y.shape
+        return _fastats.alive(y.data_ptr(), math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:]),
+                              y.dtype == torch.float64)
+    peak = y.amax(dim=[d for d in range(y.dim()) if d != dim])
+    return int((peak > 0).sum().item())
+
+
 def finite_stats(t: torch.Tensor) -> list[float] | None:
-    """The eight raw sums of a non-empty float CPU tensor by five unmasked passes (see ``_cpu_stats``), or
-    None when its sum of squares is not finite (a NaN or Inf in it): then only the masked passes are right."""
+    """The eight raw sums of a non-empty float CPU tensor by five unmasked torch passes, or None when its
+    sum of squares is not finite (a NaN or Inf in it): then only the masked passes are right.
+
+    ``count_nonzero``, ``aminmax`` and ``vector_norm`` are slower on the CPU than sign+dot, amin+amax and
+    dot (measured on torch 2.13: 150 vs 205 us for the 186k-parameter MLP of benchmarks/overhead.py),
+    and the float32 dot is also closer to a float64 sum of squares than ``vector_norm`` is."""
     flat = t.reshape(-1)
     n = flat.numel()
     sumsq = torch.dot(flat, flat).item()
@@ -102,7 +153,7 @@ def tensor_stats(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Return a (8, k) tensor of raw per-tensor sums for ``tensors``, on their device.
 
     On CUDA every tensor is reduced in one segmented pass (a fixed handful of kernels, no host sync);
-    on the CPU a per-tensor fast path is cheaper (see ``_cpu_stats``).
+    on the CPU one pass per tensor is cheaper (see ``cpu_row``).
     """
     stats = host_stats(tensors)
     if isinstance(stats, torch.Tensor):

@@ -166,6 +166,19 @@ def people_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     srv.stop()
 
 
+@pytest.fixture(params=["native", "torch"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on the probe's native kernel (probes/_fastats.c) and on the torch passes it falls back
+    to where no C compiler built it."""
+    import probes.stats
+
+    if request.param == "native" and probes.stats._fastats is None:
+        pytest.skip("the native kernel is not built (no C compiler at install)")
+    if request.param == "torch":
+        monkeypatch.setattr(probes.stats, "_fastats", None)
+    return request.param
+
+
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
     """torch on one intra-op thread: a job's thread, the probe's sender and an in-process server already

@@ -17,7 +17,7 @@ def _act_row(y: torch.Tensor, module: torch.nn.Module | None) -> dict:
     return _activation_rows(["a"], [[v] for v in raw])[0]
 
 
-def test_activation_stats_match_torch():
+def test_activation_stats_match_torch(path):
     torch.manual_seed(0)
     x = torch.randn(64, 32)
     x[:, :5] = -1.0 - x[:, :5].abs()  # five units never fire
@@ -32,7 +32,7 @@ def test_activation_stats_match_torch():
     assert row["dead_frac"] >= 5 / 32 and row["saturated_frac"] is None
 
 
-def test_dead_units_of_sequences_and_images_are_their_feature_and_channel():
+def test_dead_units_of_sequences_and_images_are_their_feature_and_channel(path):
     torch.manual_seed(0)
     seq = torch.relu(torch.randn(4, 10, 16))
     seq[..., :4] = 0.0
@@ -42,20 +42,27 @@ def test_dead_units_of_sequences_and_images_are_their_feature_and_channel():
     assert _act_row(img, torch.nn.ReLU())["dead_frac"] == pytest.approx(2 / 8)
 
 
-def test_saturated_fraction_of_a_bounded_activation():
+def test_saturated_fraction_of_a_bounded_activation(path):
     y = torch.tensor([[-1.0, -0.995, 0.0, 0.5], [0.9, 0.985, 1.0, 0.2]])
     row = _act_row(y, torch.nn.Tanh())
     assert row["saturated_frac"] == pytest.approx(4 / 8) and row["dead_frac"] is None
 
 
-def test_non_finite_activations_are_counted_and_the_moments_skip_them():
+def test_non_finite_activations_are_counted_and_the_moments_skip_them(path):
     y = torch.tensor([[1.0, float("nan")], [float("inf"), 3.0]])
     row = _act_row(y, None)
     assert (row["nan_count"], row["inf_count"]) == (1, 1)
     assert row["mean"] == pytest.approx(2.0) and (row["min"], row["max"]) == (1.0, 3.0)
+    y = torch.relu(torch.randn(64, 32))
+    y[3, 7], y[9, 1] = float("nan"), float("-inf")  # a unit with a NaN is not thereby alive
+    y[:, 7] = torch.where(torch.isnan(y[:, 7]), y[:, 7], torch.zeros(64))
+    row = _act_row(y, torch.nn.ReLU())
+    assert (row["nan_count"], row["inf_count"]) == (1, 1)
+    want = (torch.nan_to_num(y, nan=0.0).amax(0) <= 0).float().mean().item()
+    assert row["dead_frac"] == pytest.approx(want) and row["dead_frac"] >= 1 / 32
 
 
-def test_update_ratio_matches_torch_every_step():
+def test_update_ratio_matches_torch_every_step(path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -66,9 +73,11 @@ def test_update_ratio_matches_torch_every_step():
             _train(probe, model, opt, 1)
             want = {n: ((p.detach() - b).norm() / b.norm()).item()
                     for (n, p), b in zip(model.named_parameters(), before)}
+            norms = {n: (p.detach() - b).norm().item() for (n, p), b in zip(model.named_parameters(), before)}
             probe.flush()
             last = [e for e in sink.events if e["kind"] == "tensor_stats" and e["collection"] == "updates"][-1]
             assert {r["name"]: r["update_ratio"] for r in last["rows"]} == pytest.approx(want, rel=1e-4)
+            assert {r["name"]: r["norm"] for r in last["rows"]} == pytest.approx(norms, rel=1e-4)
 
 
 def _hooked(model, opt) -> bool:
