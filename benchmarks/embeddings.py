@@ -334,25 +334,27 @@ def _time_steps(step_fn, n: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
 
-def _attach_embeddings(model, opt, background: bool):
+def _attach_embeddings(model, opt, background: bool, report_every: int = 50):
     old = Embeddings.background
     Embeddings.background = background
     try:
-        return probes.attach(model, opt, sink=probes.MemorySink(), collections={"embeddings": 50})
+        return probes.attach(model, opt, sink=probes.MemorySink(), collections={"embeddings": report_every})
     finally:
         Embeddings.background = old
 
 
-def overhead(d: Data, repeats: int, steps: int) -> None:
-    print(f"\n== overhead: step time with the embeddings collection on vs off (alternating repeats, medians; "
-          f"'on': folds and reports on the probe's worker thread, 'inline': on the training thread; "
+def overhead(d: Data, repeats: int, steps: int, report_every: int = 50) -> None:
+    print(f"\n== overhead: step time with the embeddings collection on vs off (tracking every step, a report every "
+          f"{report_every} steps; alternating repeats, medians; 'on': folds and reports on the probe's worker "
+          f"thread, 'inline': on the training thread; float32 CPU tables are tracked by the native kernel "
+          f"({'built' if probes.stats._fastats is not None else 'NOT built: the torch path'}); "
           f"wall ratio, then process CPU-time ratio, which counts the worker's work) ==")
 
     def setup_ml(on: bool, background: bool = True):
         torch.manual_seed(0)
         model = MF(d.n_users, d.n_items, float(d.ratings.mean()))
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        probe = _attach_embeddings(model, opt, background) if on else None
+        probe = _attach_embeddings(model, opt, background, report_every) if on else None
         g = torch.Generator().manual_seed(0)
 
         def step():
@@ -372,7 +374,7 @@ def overhead(d: Data, repeats: int, steps: int) -> None:
         user = torch.nn.Embedding(10_000, dim, sparse=sparse)
         model = torch.nn.ModuleDict({"item": item, "user": user})
         opt = torch.optim.SparseAdam(model.parameters(), lr=1e-3) if sparse else torch.optim.Adam(model.parameters(), lr=1e-3)
-        probe = _attach_embeddings(model, opt, background) if on else None
+        probe = _attach_embeddings(model, opt, background, report_every) if on else None
         g = torch.Generator().manual_seed(0)
         # Zipf-like popularity, as in recommender logs.
         weights = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 0.8
@@ -430,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="optimiser regime of the detection runs (default: one that fits ML-100k within 5 epochs)")
     ap.add_argument("--detect-epochs", type=int, default=None, help="epochs of each detection run (5 quick, 10 full)")
     ap.add_argument("--cases", default="abc", help="detection cases to run: a (toggling), b (group conflict), c (dead)")
+    ap.add_argument("--report-every", type=int, default=50,
+                    help="overhead: the collection's report interval (it tracks every step whatever this is)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("traindx.probe").setLevel(logging.ERROR)  # the fixes' log lines; the table says it
@@ -444,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what in ("all", "fix"):
         fix_bench(d, seeds, epochs, args.regimes.split(","))
     if args.what in ("all", "overhead"):
-        overhead(d, repeats=3 if args.quick else 5, steps=100 if args.quick else 300)
+        overhead(d, repeats=3 if args.quick else 5, steps=100 if args.quick else 300, report_every=args.report_every)
     return 0
 
 

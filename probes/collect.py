@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .stats import alive_units, copy_norms, cpu_row, diff_norms, host_stats, local, rows_from_stats
+from .stats import alive_units, copy_norms, cpu_row, diff_norms, host_stats, local, outside, rows_from_stats
 
 # Activation outputs within this distance of a bound count as saturated. Same 1% band as the
 # saturation check in Glorot & Bengio (2010), sec. 3.
@@ -345,7 +345,10 @@ def _activation_stats(y: torch.Tensor, module: torch.nn.Module | None) -> torch.
     elif module is not None and type(module) in _BOUNDED:
         lo, hi = _BOUNDED[type(module)]
         band = SATURATION_MARGIN * (hi - lo)
-        sat = ((y <= lo + band) | (y >= hi - band)).sum() / y.numel()
+        if y.is_cuda:
+            sat = ((y <= lo + band) | (y >= hi - band)).sum() / y.numel()
+        else:
+            sat = outside(y, lo + band, hi - band) / y.numel()
     if not y.is_cuda:
         # on the host one fused pass (probes.stats.cpu_row), NaN/Inf masked in it
         return [*cpu_row(y), float(dead), float(sat)]

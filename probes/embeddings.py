@@ -37,6 +37,14 @@ on a background thread (_Worker; ATen releases the GIL, so they overlap the trai
 core is free); a report then reaches the sender at the first step after it is finished, like a CUDA
 copy still in flight. On CUDA they stay inline: their kernels are asynchronous already.
 
+On the CPU, a float32 table is tracked by the native kernel (``probes/_fastats.c``, built by setup.py)
+instead: no queue and no fold, each tracked step applies the same recurrences to its rows in the
+optimizer step's hooks (track_pre reduces the looked-up gradient rows to their sketch and copies the
+rows; track_post updates their statistics once the optimizer moved them): O(lookups x width) a step, in
+two calls per table, with O(lookups) scratch. Only reports run on the worker then. The queue-and-fold
+path remains for CUDA tables (where its kernels run asynchronously), other dtypes, and installs without
+the kernel; tests hold both paths to the same step-by-step reference.
+
 A row counts as touched when the model looked it up *and* its gradient row is non-zero: a whole-table
 L2 penalty in the loss gives every row a gradient, but only rows the model looked up are touched, so
 rows nobody looks up stay dead under weight decay. Rows holding NaN/Inf are reported as non-finite,
@@ -56,6 +64,7 @@ import torch
 
 from .collect import Collection, HostCopy, guarded
 from .fixes import Applied, FixRejected, Target, _number
+from . import stats
 from .stats import sharded
 
 # Width of the random projections that stand in for a row's vectors. 8 keeps the state at 96 bytes a
@@ -89,6 +98,11 @@ FLUSH_VALUES = 1 << 21
 # copies stay within (MAX_JOBS + 2) x the FLUSH_VALUES bound above, counting the queue being filled and
 # the spare buffer a fold hands back).
 MAX_JOBS = 2
+# A natively tracked table this large (weight and row state, bytes) runs each step's track_post on a
+# thread of its own when a core is free (see Embeddings): past the caches, its random reads cost more
+# than the handoff. ML-100k's tables (0.5 MB): inline, 1.5x -> 1.8x with the thread; a 1M x 32 table
+# (220 MB), sparse, batch 1024: 1.5x inline -> 1.1-1.17x.
+OFFLOAD_BYTES = 1 << 24
 # The worker thread ends after this many idle seconds (a probe never closed leaves no thread behind for
 # long); the next fold starts another.
 WORKER_IDLE_S = 30.0
@@ -104,6 +118,23 @@ def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, l
                 seen[key] = (f"{name}.weight" if name else "weight", m.weight, [])
             seen[key][2].append(m)
     return list(seen.values())
+
+
+class _Scratch:
+    """One tracked step's scratch for the native kernel (see TableState._native_pre), for up to ``cap``
+    lookups: O(lookups), allocated again only when a step has more. ``pre`` and ``post``: the pointers
+    track_pre and track_post take, in their order."""
+
+    def __init__(self, cap: int, k: int, dim: int, sparse: bool) -> None:
+        self.cap = cap
+        h = 1 << (2 * cap - 1).bit_length()  # the hash table of distinct rows: a power of two >= 2 cap
+        self.keys, self.slots = torch.empty(h, dtype=torch.long), torch.empty(h, dtype=torch.long)
+        self.uniq, self.cnt = torch.empty(cap, dtype=torch.long), torch.empty(cap)
+        self.gsk, self.before = torch.empty(cap, k + 1), torch.empty(cap, dim)
+        self.acc = torch.empty(cap, dim) if sparse else None  # a sparse gradient's entries, summed per row
+        self.pre = (self.keys.data_ptr(), self.slots.data_ptr(), h, self.uniq.data_ptr(), self.cnt.data_ptr(),
+                    self.gsk.data_ptr(), self.before.data_ptr(), self.acc.data_ptr() if sparse else 0)
+        self.post = (self.uniq.data_ptr(), self.cnt.data_ptr(), self.gsk.data_ptr(), self.before.data_ptr())
 
 
 class TableState:
@@ -157,9 +188,28 @@ class TableState:
         # Rows updated at least once, non-finite, and eligible (>= MIN_TOUCHES updates, finite), kept as
         # rows change so that a report does not count them over the whole table.
         self.counts = torch.zeros(3, dtype=torch.long, device=dev)
+        self._fixed_post = (self.dim, self.k)
+        self._fixed_state = (self._state.data_ptr(), self.counts.data_ptr())
         # The collection's background worker (CPU tables), which folds queued steps into _state: every
         # reader outside it waits for the folds in flight (see state).
         self.worker: _Worker | None = None
+        # The thread that runs a natively tracked table's track_post (see finish()), where a core is free.
+        self.tracker: _Worker | None = None
+        self._post_due: tuple[int, bool] | None = None
+        # A float32 CPU table with the native kernel (probes/_fastats.c) skips the queue: each tracked step
+        # updates its rows' statistics in the optimizer step's hooks (track_pre / track_post), the same
+        # recurrences as _fold, one step at a time, with O(lookups) scratch.
+        self.native = stats._fastats is not None and dev.type == "cpu" and weight.dtype == torch.float32
+        self._scratch: _Scratch | None = None
+        # The rows a natively tracked table updated since the last report (see seen()), unsorted, with
+        # repeats until compacted: the queued path's ``window`` without a tensor per step.
+        self._win = torch.empty(0, dtype=torch.long)
+        self._win_n = 0
+        # What the kernel reads that never moves (the state, counters, projection and padding rows are
+        # allocated once), so that a tracked step only looks up what changes.
+        self._fixed_pre = (self.rows, self.dim, self.k)
+        self._fixed_proj = (self.proj.data_ptr() if self.native and self.proj is not None else 0,
+                            self.padding.data_ptr(), self.padding.numel())
 
     def state_bytes(self) -> int:
         return self._state.numel() * self._state.element_size()
@@ -175,6 +225,7 @@ class TableState:
                 worker.wait()
             if self.pending:
                 self.flush()
+        self._wait_tracker()
         return self._state
 
     # Views of the state's columns (reads; the tracked step writes whole rows).
@@ -200,12 +251,16 @@ class TableState:
 
     # -- one tracked step: record the touched rows; the statistics are folded in by flush() -------------
     def gather(self) -> None:
-        """Before the optimizer step: copy the looked-up rows' gradients and values (no arithmetic)."""
+        """Before the optimizer step: copy the looked-up rows' gradients and values (no arithmetic), or,
+        with the native kernel, reduce them to what track_post needs."""
         self._cur = None
         w = self.weight
         grad = w.grad
         lookups, self.lookups = self.lookups, []
         if grad is None:
+            return
+        if self.native:
+            self._native_pre(grad, lookups)
             return
         if grad.is_sparse:
             if lookups:
@@ -225,6 +280,69 @@ class TableState:
         if g is None:
             g = self._copy_rows(grad, ids, 0, at)
         self._cur = (ids, g, self._copy_rows(w.detach(), ids, 1, at), at)
+
+    def _native_pre(self, grad: torch.Tensor, lookups: list[torch.Tensor]) -> None:
+        self._wait_tracker()  # the last step's track_post reads the scratch this one rewrites
+        gi = gv = None
+        if grad.is_sparse:
+            if lookups:
+                ids = lookups[0] if len(lookups) == 1 else torch.cat(lookups)
+                gi, gv = grad._indices()[0], grad._values()
+            else:  # looked up outside the modules' forward (functional call): one lookup per row
+                grad = grad.coalesce()
+                ids = gi = grad.indices()[0]
+                gv = grad.values()
+            gi, gv = gi.contiguous(), gv.detach().float().contiguous()
+        else:
+            if not lookups:
+                return
+            ids = lookups[0] if len(lookups) == 1 else torch.cat(lookups)
+            if grad.dtype is not torch.float32 or not grad.is_contiguous():
+                grad = grad.float().contiguous()
+        if ids.dtype is not torch.int64 or not ids.is_contiguous():
+            ids = ids.long().contiguous()
+        n = ids.numel()
+        sc = self._scratch
+        if sc is None or sc.cap < n or (gv is not None and sc.acc is None):
+            sc = self._scratch = _Scratch(max(n, 2 * sc.cap if sc is not None else 0), self.k, self.dim, gv is not None)
+        sparse = gv is not None
+        nu = stats._fastats.track_pre(
+            ids.data_ptr(), n, *self._fixed_pre, 0 if sparse else grad.data_ptr(), gi.data_ptr() if sparse else 0,
+            gv.data_ptr() if sparse else 0, gv.shape[0] if sparse else 0, self.weight.data_ptr(),
+            *self._fixed_proj, *sc.pre)
+        self._cur = ("native", nu)
+
+    def finish(self) -> None:
+        """A natively tracked step's second half (track_post), due since update(): run by the tracker
+        thread when there is one (then it overlaps the training thread until the next step needs the
+        scratch or a reader needs the state: both wait for it), else inline."""
+        due, self._post_due = self._post_due, None
+        if due is not None:
+            self._native_post(*due)
+
+    def _wait_tracker(self) -> None:
+        if self.tracker is not None and not self.tracker.on_thread():
+            self.tracker.wait()
+
+    def _native_post(self, nu: int, with_delta: bool) -> None:
+        sc = self._scratch
+        if self._win_n + nu > self._win.numel():
+            # Room for 64 steps of this size (a report usually comes first); past that, compact it (rows
+            # repeat across steps), and grow it while more than half of it is distinct rows.
+            rows = self._win[:self._win_n]
+            if self._win.numel() >= 64 * nu:
+                rows = torch.unique(rows)
+            size = max(64 * nu, self._win.numel(), 2 * (rows.numel() + nu))
+            if size > self._win.numel():
+                win = torch.empty(size, dtype=torch.long)
+                win[:rows.numel()] = rows
+                self._win = win
+            else:
+                self._win[:rows.numel()] = rows
+            self._win_n = rows.numel()
+        self._win_n += stats._fastats.track_post(
+            nu, *sc.post, self.weight.data_ptr(), *self._fixed_post, with_delta, *self._fixed_state,
+            self._win.data_ptr() + self._win_n * 8, EMA_ALPHA, SLOW_ALPHA, MIN_TOUCHES)
 
     def _reserve(self, n: int) -> int | None:
         """Where this step's rows go in the queue's buffer; None: fresh tensors."""
@@ -254,6 +372,11 @@ class TableState:
         cur, self._cur = self._cur, None
         if cur is None:
             return
+        if isinstance(cur[0], str):  # ("native", distinct rows): see _native_pre
+            self._post_due = (cur[1], with_delta)
+            if self.tracker is None:
+                self.finish()
+            return
         ids, g, before, at = cur
         after = self._copy_rows(self.weight.detach(), ids, 2, at)
         self.pending.append((ids, g, before if with_delta else None, after))
@@ -267,7 +390,7 @@ class TableState:
         the queue starts empty again, in another buffer."""
         pending, self.pending, self.pending_rows = self.pending, [], 0
         buf, self._buf = self._buf, None
-        if self._cur is not None and self._cur[3] is not None:  # taken mid-step: that step's copies leave it
+        if self._cur is not None and len(self._cur) == 4 and self._cur[3] is not None:  # taken mid-step: that step's copies leave it
             ids, g, before, _ = self._cur
             self._cur = (ids, g if isinstance(g, tuple) else g.clone(), before.clone(), None)
         return pending, buf
@@ -481,6 +604,15 @@ class TableState:
         return torch.where(el, score, torch.full_like(score, float("-inf")))
 
     # -- a report --------------------------------------------------------------------------------------
+    def seen(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The rows whose statistics changed since the last report, handed over to it, and the counters."""
+        if self.native:
+            self._wait_tracker()
+            window, self._win_n = [self._win[:self._win_n]], 0
+            return window, self.counts
+        window, self.window = self.window, []
+        return window, self.counts
+
     def snapshot(self) -> torch.Tensor | None:
         """The sampled rows' values that a report's collapse statistics read, copied at the report's step
         (the report may run on the worker while the optimizer moves the rows). O(SAMPLE_ROWS x width)."""
@@ -493,8 +625,8 @@ class TableState:
         O(rows touched since the last report + TOP_ROWS + SAMPLE_ROWS): the lists are re-ranked over
         the rows that changed plus the previous lists (a row nobody touched kept its statistics)."""
         R, dev, w = self.rows, self.weight.device, self.weight.detach()
-        win = torch.unique(torch.cat(self.window)) if self.window else self.zombie_ids[:0]
-        self.window = []
+        window, counts = self.seen()
+        win = torch.unique(torch.cat(window)) if window else self.zombie_ids[:0]
         self.refresh_medians()
         k = min(TOP_ROWS, R)
         inf = float("inf")
@@ -518,7 +650,7 @@ class TableState:
 
         # On the worker, read a step or two after the report's step: a row gone NaN or inf stays so.
         bad = w.index_select(0, self.nonfinite_ids)
-        touched_count, nonfinite_count, eligible_count = self.counts.unbind()  # kept by flush(): no O(rows) pass
+        touched_count, nonfinite_count, eligible_count = counts.unbind()  # kept as rows change: no O(rows) pass
         untouched_bad = (self.touches.index_select(0, self.nonfinite_ids) == 0).sum()
         pad = self.padding.numel()
         never = R - touched_count - untouched_bad - pad
@@ -644,21 +776,29 @@ def _ema_scan(rate: torch.Tensor, y: torch.Tensor, x0: torch.Tensor, first: torc
 
 
 def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_steps: int) -> dict:
-    def num(x: float) -> float | None:
-        return x if math.isfinite(x) else None
+    isfinite = math.isfinite
 
-    it = iter(raw)
-    take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
+    def num(x: float) -> float | None:
+        return x if isfinite(x) else None
+
+    at = 13
     (rows, touched, window, never, nonfinite, median, eligible, negative, rank, cosine, sampled,
-     nan_count, inf_count) = take(13)
+     nan_count, inf_count) = raw[:at]
+
+    def take(n: int) -> list[float]:
+        nonlocal at
+        at += n
+        return raw[at - n:at]
+
     dead_idx, nf_idx = take(plan["dead"]), take(plan["nonfinite"])
     z = [take(plan["zombies"]) for _ in range(6)]
     r = [take(plan["rarest"]) for _ in range(6)]
 
     def rowlist(cols: list[list[float]]) -> list[dict]:
-        return [{"row": int(cols[0][j]), "touches": int(cols[1][j]), "velocity": num(cols[2][j]),
-                 "consistency": num(cols[3][j]), "snr": num(cols[4][j]), "noise": num(cols[5][j])}
-                for j in range(len(cols[0]))]
+        return [{"row": int(i), "touches": int(t), "velocity": v if isfinite(v) else None,
+                 "consistency": c if isfinite(c) else None, "snr": s if isfinite(s) else None,
+                 "noise": x if isfinite(x) else None}
+                for i, t, v, c, s, x in zip(*cols)]
 
     summary = {
         "rows": int(rows), "dim": table.dim, "sparse": table.sparse, "tracked_steps": tracked_steps,
@@ -690,8 +830,8 @@ class _Worker:
     runs it itself). A job's error goes to ``on_error`` (the probe's hook_failed: reported at its next
     step, like an error in one of its hooks); it never reaches the training loop from here."""
 
-    def __init__(self, on_error: Callable[[BaseException], None]) -> None:
-        self.on_error = on_error
+    def __init__(self, on_error: Callable[[BaseException], None], name: str = "traindx-embeddings") -> None:
+        self.on_error, self.name = on_error, name
         self._cond = threading.Condition()
         self._jobs: deque[Callable[[], None]] = deque()  # the first one is running
         self._thread: threading.Thread | None = None
@@ -707,7 +847,7 @@ class _Worker:
                 return False
             self._jobs.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="traindx-embeddings", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
             self._cond.notify_all()
         return True
@@ -799,12 +939,22 @@ class Embeddings(Collection):
         self._step = 0
         self._stepped = False
         self._armed = False
-        # CPU tables fold on a background thread; on CUDA the fold's kernels already run asynchronously.
+        # CPU tables fold and report on a background thread; on CUDA the fold's kernels already run
+        # asynchronously. Natively tracked tables have nothing to fold and report inline: their rows change
+        # in the hooks, so a report on the worker would read a later step's statistics.
         background = self.background if self.background is not None else _spare_core()
-        on_cpu = bool(self.tables) and all(t.weight.device.type == "cpu" for t in self.tables)
+        on_cpu = bool(self.tables) and all(t.weight.device.type == "cpu" and not t.native for t in self.tables)
         self._worker = _Worker(lambda e: probe.hook_failed("embeddings worker", e)) if background and on_cpu else None
+        # Large natively tracked tables run each step's second half on another thread (the C call releases
+        # the GIL): there its random reads of rows and state miss the cache (~0.8 ms a step on a table of a
+        # million rows, batch 1024). A small table's takes tens of microseconds, less than the handoff.
+        large = [t for t in self.tables if t.native and t.weight.nbytes + t.state_bytes() >= OFFLOAD_BYTES]
+        self._tracker = (_Worker(lambda e: probe.hook_failed("embeddings tracker", e), "traindx-embeddings-tracker")
+                         if background and large else None)
         for t in self.tables:
             t.worker = self._worker
+        for t in large:
+            t.tracker = self._tracker
 
     def due(self, step: int) -> bool:
         return bool(self.tables) and (step % self.track_every == 0 or step % self.interval == 0)
@@ -868,6 +1018,18 @@ class Embeddings(Collection):
         self._stepped = True
         for t in self.tables:
             t.update(self._step, with_delta=True)
+        self._finish()
+
+    def _finish(self) -> None:
+        """The natively tracked tables' track_post, on the tracker (one job for every table) or inline."""
+        tracker = self._tracker
+        if tracker is None:
+            return
+        tables = [t for t in self.tables if t._post_due is not None]
+        if tables and not tracker.submit(lambda: [t.finish() for t in tables]):
+            tracker.wait()
+            for t in tables:
+                t.finish()
 
     def collect(self, step: int) -> list[HostCopy]:
         self._armed = False
@@ -875,6 +1037,7 @@ class Embeddings(Collection):
             for t in self.tables:
                 t.gather()
                 t.update(step, with_delta=False)
+            self._finish()
         worker = self._worker
         reporting = self.reports(step)
         if not (reporting or any(t.flush_due() for t in self.tables)):
@@ -910,7 +1073,7 @@ class Embeddings(Collection):
     def _fold_all(work: list) -> None:
         entries: dict = {}
         for t, pending, buf, _, _ in work:
-            t.fold(pending, buf, entries)
+            t.fold(pending, buf, entries)  # nothing queued for a natively tracked table
 
     def _pack(self, step: int, work: list) -> tuple[list[str], torch.Tensor, Callable]:
         names, parts, plans = [], [], []
@@ -935,6 +1098,8 @@ class Embeddings(Collection):
 
     def close(self) -> None:
         self.disarm()
+        if self._tracker is not None:
+            self._tracker.close()
         if self._worker is not None:
             self._worker.close()  # the reports in flight are finished: the probe sends them next
 

@@ -118,6 +118,13 @@ def cpu_row(t: torch.Tensor) -> list[float]:
     return row if row is not None else _segment_stats([t])[:, 0].tolist()
 
 
+def outside(y: torch.Tensor, lo: float, hi: float) -> int:
+    """How many elements of a float CPU tensor are <= lo or >= hi (a bounded activation's saturated ones)."""
+    if native(y):
+        return _fastats.outside(y.data_ptr(), y.numel(), lo, hi, y.dtype == torch.float64)
+    return int(((y <= lo) | (y >= hi)).sum().item())
+
+
 def alive_units(y: torch.Tensor, dim: int) -> int:
     """How many units along ``dim`` of a float CPU tensor are > 0 for some sample (the rest are dead)."""
     if _fastats is not None and y.dtype in _NATIVE and y.layout == torch.strided and not y.is_neg():

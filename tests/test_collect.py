@@ -46,6 +46,10 @@ def test_saturated_fraction_of_a_bounded_activation(path):
     y = torch.tensor([[-1.0, -0.995, 0.0, 0.5], [0.9, 0.985, 1.0, 0.2]])
     row = _act_row(y, torch.nn.Tanh())
     assert row["saturated_frac"] == pytest.approx(4 / 8) and row["dead_frac"] is None
+    assert _act_row(y.double(), torch.nn.Tanh())["saturated_frac"] == pytest.approx(4 / 8)
+    assert _act_row(y.t(), torch.nn.Tanh())["saturated_frac"] == pytest.approx(4 / 8)  # a non-contiguous view
+    p = torch.tensor([0.0, 0.005, 0.5, float("nan"), 0.995, 1.0])  # NaN is neither bound
+    assert _act_row(p, torch.nn.Sigmoid())["saturated_frac"] == pytest.approx(4 / 6)
 
 
 def test_non_finite_activations_are_counted_and_the_moments_skip_them(path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import httpx
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 import probes
+import probes.embeddings
+import probes.stats
 from diag_server.rules import Observations
 from diag_server.rules.embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
 from probes.embeddings import EMA_ALPHA, NOISE_SNR, SKETCH_DIM, SLOW_ALPHA, Embeddings, TableState
@@ -101,7 +104,7 @@ def reference(grads: list[list[float]]) -> dict:
     return {"touches": len(grads), "consistency": num / den, "grad_sq": sq, "snr": msq / (sq - msq)}
 
 
-def test_row_statistics_match_a_hand_computation() -> None:
+def test_row_statistics_match_a_hand_computation(path: str) -> None:
     torch.manual_seed(0)
     model = Toy(rows=6, dim=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -127,7 +130,7 @@ def test_row_statistics_match_a_hand_computation() -> None:
     probe.close()
 
 
-def test_velocity_is_the_ema_of_the_row_step() -> None:
+def test_velocity_is_the_ema_of_the_row_step(path: str) -> None:
     torch.manual_seed(0)
     model = Toy(rows=3, dim=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -163,7 +166,7 @@ def test_memory_is_o_rows_and_never_a_copy_of_the_table() -> None:
 
 
 @pytest.mark.parametrize("bag", [False, True])
-def test_sparse_and_dense_gradients_give_the_same_statistics(bag: bool) -> None:
+def test_sparse_and_dense_gradients_give_the_same_statistics(bag: bool, path: str) -> None:
     states = []
     for sparse in (False, True):
         torch.manual_seed(0)
@@ -184,7 +187,7 @@ def test_sparse_and_dense_gradients_give_the_same_statistics(bag: bool) -> None:
     assert torch.allclose(dense.velocity, sparse_.velocity, rtol=1e-5)
 
 
-def test_sparse_adam_and_untracked_steps() -> None:
+def test_sparse_adam_and_untracked_steps(path: str) -> None:
     torch.manual_seed(0)
     model = Toy(rows=50, dim=16, sparse=True)
     opt = torch.optim.SparseAdam(model.parameters(), lr=0.01)
@@ -253,7 +256,8 @@ def _run_two_tables(background: bool, steps: int = 45) -> tuple[list, list[torch
     finally:
         Embeddings.background = old
     coll = next(c for c in probe.collections if isinstance(c, Embeddings))
-    assert (coll._worker is not None) == background
+    native = all(t.native for t in coll.tables)  # natively tracked tables report inline: no worker
+    assert (coll._worker is not None) == (background and not native)
     gen = torch.Generator().manual_seed(3)
     for step in range(steps):
         ids = torch.randint(0, 25, (16,), generator=gen)
@@ -267,7 +271,7 @@ def _run_two_tables(background: bool, steps: int = 45) -> tuple[list, list[torch
     return [(s, r["name"], r["embedding"]) for s, r in summaries(sink)], states
 
 
-def test_background_folds_and_reports_equal_inline_ones() -> None:
+def test_background_folds_and_reports_equal_inline_ones(torch_fold: None) -> None:
     """Folded on the worker thread or inline, the statistics and every report are the same; the user table
     and its bias table (same ids) share one sort."""
     inline, inline_states = _run_two_tables(False)
@@ -288,7 +292,32 @@ def test_background_folds_and_reports_equal_inline_ones() -> None:
     assert len(entries) == 1
 
 
-def test_copies_reuse_one_buffer_and_survive_a_fold_mid_step() -> None:
+def test_a_tracker_thread_gives_the_statistics_and_reports_of_inline_tracking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Natively tracked tables past OFFLOAD_BYTES run each step's track_post on a thread of their own
+    when a core is free; what they compute and report is what inline tracking gives."""
+    if probes.stats._fastats is None:
+        pytest.skip("the native kernel is not built")
+    inline, inline_states = _run_two_tables(False)
+    monkeypatch.setattr(probes.embeddings, "OFFLOAD_BYTES", 0)  # every table counts as large
+    threads_before = {t.name for t in threading.enumerate()}
+    ran_on: set[str] = set()
+    finish = TableState.finish
+
+    def recorded(self: TableState) -> None:
+        if self._post_due is not None:
+            ran_on.add(threading.current_thread().name)
+        finish(self)
+
+    monkeypatch.setattr(TableState, "finish", recorded)
+    tracked, tracked_states = _run_two_tables(True)
+    assert ran_on == {"traindx-embeddings-tracker"}
+    assert tracked == inline
+    for a, b in zip(tracked_states, inline_states):
+        assert torch.equal(a, b)
+    assert "traindx-embeddings-tracker" not in threads_before | {t.name for t in threading.enumerate()}  # closed
+
+
+def test_copies_reuse_one_buffer_and_survive_a_fold_mid_step(torch_fold: None) -> None:
     emb = torch.nn.Embedding(20, 4)
     t = TableState("w", emb.weight, [emb])
 
@@ -320,7 +349,14 @@ def test_copies_reuse_one_buffer_and_survive_a_fold_mid_step() -> None:
 
 
 @pytest.fixture
-def background(monkeypatch: pytest.MonkeyPatch) -> None:
+def torch_fold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue-and-fold path: tables the native kernel cannot track (CUDA, not float32, or no kernel
+    built), which the worker thread folds on the CPU."""
+    monkeypatch.setattr(probes.stats, "_fastats", None)
+
+
+@pytest.fixture
+def background(monkeypatch: pytest.MonkeyPatch, torch_fold: None) -> None:
     monkeypatch.setattr(Embeddings, "background", True)
 
 
@@ -347,7 +383,7 @@ def test_a_background_report_is_sent_within_steps_not_an_interval(background: No
     probe.close()
 
 
-def test_the_worker_runs_only_where_a_core_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_worker_runs_only_where_a_core_is_free(monkeypatch: pytest.MonkeyPatch, torch_fold: None) -> None:
     """By default the folds go to the worker only when torch's own threads leave a core free."""
     model = _two_tables()
     for threads, worker in ((1, True), (4096, False)):
@@ -432,7 +468,7 @@ def obs_of(sink: probes.MemorySink) -> Observations:
     return obs
 
 
-def test_zombie_rule_names_the_rows_whose_updates_reverse() -> None:
+def test_zombie_rule_names_the_rows_whose_updates_reverse(path: str) -> None:
     torch.manual_seed(0)
     model = Toy(rows=40, dim=2)
     probe, sink = attach(model, torch.optim.SGD(model.parameters(), lr=0.05), interval=20)
@@ -454,7 +490,7 @@ def test_zombie_rule_names_the_rows_whose_updates_reverse() -> None:
 
 
 @pytest.mark.parametrize("setting", ["plain", "l2", "nan"])
-def test_dead_rule_names_never_updated_rows_under_l2_and_after_nan(setting: str) -> None:
+def test_dead_rule_names_never_updated_rows_under_l2_and_after_nan(setting: str, path: str) -> None:
     torch.manual_seed(0)
     model = Toy(rows=30, dim=4)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -758,10 +794,11 @@ def step_by_step(state: torch.Tensor, k: int, proj, idx: torch.Tensor, g: torch.
 
 
 @pytest.mark.parametrize("sparse,dim", [(False, 12), (True, 12), (False, 1)])
-def test_queued_steps_fold_to_the_step_by_step_statistics(sparse: bool, dim: int) -> None:
+def test_queued_steps_fold_to_the_step_by_step_statistics(sparse: bool, dim: int, path: str) -> None:
     """Random lookups with repeats, rows touched on many successive steps, a padding row, a NaN gradient
-    and a step without an optimizer: folding 37 queued steps at once gives the statistics (and the
-    counts a report reads) that 37 step-by-step updates give."""
+    and a step without an optimizer: folding 37 queued steps at once (the torch path), or updating the
+    rows in each step's hooks (the native kernel), gives the statistics (and the counts a report reads)
+    that 37 step-by-step updates give."""
     torch.manual_seed(0)
     rows = 30
     emb = torch.nn.Embedding(rows, dim, padding_idx=3, sparse=sparse)
