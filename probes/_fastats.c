@@ -1,12 +1,18 @@
-/* One fused pass over a float tensor on the CPU: the eight raw sums of probes.stats, read once.
+/* The probe's native CPU passes (probes/stats.py, probes/collect.py, probes/embeddings.py).
  *
- * The torch path takes five or six vectorised passes per tensor (sum, min, max, a dot for the squares,
- * one for the non-zeros) and as many calls into the dispatcher; for the small tensors of a sampled step
- * the calls cost more than the arithmetic. This reads each element once, masks NaN/Inf in the same pass
- * (so a tensor with a NaN costs no more than one without), and releases the GIL while it reads.
+ * - stats: the eight raw sums of a tensor (sum, sum of squares, NaN/Inf/zero counts, min and max over the
+ *   finite elements), each element read once, NaN/Inf masked in the same pass. The torch path takes five
+ *   or six vectorised passes per tensor and as many dispatcher calls and host reads; for the small
+ *   tensors of a sampled step the calls cost more than the arithmetic.
+ * - copy_sumsq / diff_sumsq: the update ratio's two norms, one while copying the weights before the
+ *   optimizer step, one over the difference after it.
+ * - outside / alive: a bounded activation's saturated elements, a ReLU output's live units.
+ * - track_pre / track_post: one tracked step of an embedding table (see below).
  *
  * Sums are accumulated in float within blocks of BLOCK elements (split across the SIMD lanes) and the
- * block totals in double: closer to a float64 sum than torch's float32 sum and dot.
+ * block totals in double: closer to a float64 sum than torch's float32 sum and dot. Every entry point
+ * releases the GIL while it reads. Buffers are the caller's: contiguous, alive for the call, and of
+ * the dtype it says.
  *
  * Built by setup.py when a C compiler is there (optional: without one the probe keeps its torch path).
  * target_clones picks an AVX-512, AVX2 or baseline body for the CPU at load time, so a wheel built on

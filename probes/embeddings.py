@@ -41,9 +41,10 @@ On the CPU, a float32 table is tracked by the native kernel (``probes/_fastats.c
 instead: no queue and no fold, each tracked step applies the same recurrences to its rows in the
 optimizer step's hooks (track_pre reduces the looked-up gradient rows to their sketch and copies the
 rows; track_post updates their statistics once the optimizer moved them): O(lookups x width) a step, in
-two calls per table, with O(lookups) scratch. Only reports run on the worker then. The queue-and-fold
-path remains for CUDA tables (where its kernels run asynchronously), other dtypes, and installs without
-the kernel; tests hold both paths to the same step-by-step reference.
+two calls per table, with O(lookups) scratch; reports run inline. The queue-and-fold path remains for
+CUDA tables (where its kernels run asynchronously), other dtypes, installs without the kernel, and
+tables past the caches (``OFFLOAD_BYTES``) when a core is free for the worker; tests hold both paths
+to the same step-by-step reference.
 
 A row counts as touched when the model looked it up *and* its gradient row is non-zero: a whole-table
 L2 penalty in the loss gives every row a gradient, but only rows the model looked up are touched, so
@@ -98,10 +99,10 @@ FLUSH_VALUES = 1 << 21
 # copies stay within (MAX_JOBS + 2) x the FLUSH_VALUES bound above, counting the queue being filled and
 # the spare buffer a fold hands back).
 MAX_JOBS = 2
-# A natively tracked table this large (weight and row state, bytes) runs each step's track_post on a
-# thread of its own when a core is free (see Embeddings): past the caches, its random reads cost more
-# than the handoff. ML-100k's tables (0.5 MB): inline, 1.5x -> 1.8x with the thread; a 1M x 32 table
-# (220 MB), sparse, batch 1024: 1.5x inline -> 1.1-1.17x.
+# Where a core is free and a table is this large (weight and row state, bytes), the collection takes the
+# queued path and folds on the worker instead of tracking natively on the training thread (see
+# Embeddings): past the caches the kernel's random reads of rows and state cost ~0.8 ms a step on a
+# 1M x 32 table (batch 1024), which the worker overlaps. ML-100k's tables (0.5 MB) stay native.
 OFFLOAD_BYTES = 1 << 24
 # The worker thread ends after this many idle seconds (a probe never closed leaves no thread behind for
 # long); the next fold starts another.
@@ -193,9 +194,6 @@ class TableState:
         # The collection's background worker (CPU tables), which folds queued steps into _state: every
         # reader outside it waits for the folds in flight (see state).
         self.worker: _Worker | None = None
-        # The thread that runs a natively tracked table's track_post (see finish()), where a core is free.
-        self.tracker: _Worker | None = None
-        self._post_due: tuple[int, bool] | None = None
         # A float32 CPU table with the native kernel (probes/_fastats.c) skips the queue: each tracked step
         # updates its rows' statistics in the optimizer step's hooks (track_pre / track_post), the same
         # recurrences as _fold, one step at a time, with O(lookups) scratch.
@@ -225,7 +223,6 @@ class TableState:
                 worker.wait()
             if self.pending:
                 self.flush()
-        self._wait_tracker()
         return self._state
 
     # Views of the state's columns (reads; the tracked step writes whole rows).
@@ -282,7 +279,6 @@ class TableState:
         self._cur = (ids, g, self._copy_rows(w.detach(), ids, 1, at), at)
 
     def _native_pre(self, grad: torch.Tensor, lookups: list[torch.Tensor]) -> None:
-        self._wait_tracker()  # the last step's track_post reads the scratch this one rewrites
         gi = gv = None
         if grad.is_sparse:
             if lookups:
@@ -311,18 +307,6 @@ class TableState:
             gv.data_ptr() if sparse else 0, gv.shape[0] if sparse else 0, self.weight.data_ptr(),
             *self._fixed_proj, *sc.pre)
         self._cur = ("native", nu)
-
-    def finish(self) -> None:
-        """A natively tracked step's second half (track_post), due since update(): run by the tracker
-        thread when there is one (then it overlaps the training thread until the next step needs the
-        scratch or a reader needs the state: both wait for it), else inline."""
-        due, self._post_due = self._post_due, None
-        if due is not None:
-            self._native_post(*due)
-
-    def _wait_tracker(self) -> None:
-        if self.tracker is not None and not self.tracker.on_thread():
-            self.tracker.wait()
 
     def _native_post(self, nu: int, with_delta: bool) -> None:
         sc = self._scratch
@@ -373,9 +357,7 @@ class TableState:
         if cur is None:
             return
         if isinstance(cur[0], str):  # ("native", distinct rows): see _native_pre
-            self._post_due = (cur[1], with_delta)
-            if self.tracker is None:
-                self.finish()
+            self._native_post(cur[1], with_delta)
             return
         ids, g, before, at = cur
         after = self._copy_rows(self.weight.detach(), ids, 2, at)
@@ -607,7 +589,6 @@ class TableState:
     def seen(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The rows whose statistics changed since the last report, handed over to it, and the counters."""
         if self.native:
-            self._wait_tracker()
             window, self._win_n = [self._win[:self._win_n]], 0
             return window, self.counts
         window, self.window = self.window, []
@@ -830,8 +811,8 @@ class _Worker:
     runs it itself). A job's error goes to ``on_error`` (the probe's hook_failed: reported at its next
     step, like an error in one of its hooks); it never reaches the training loop from here."""
 
-    def __init__(self, on_error: Callable[[BaseException], None], name: str = "traindx-embeddings") -> None:
-        self.on_error, self.name = on_error, name
+    def __init__(self, on_error: Callable[[BaseException], None]) -> None:
+        self.on_error = on_error
         self._cond = threading.Condition()
         self._jobs: deque[Callable[[], None]] = deque()  # the first one is running
         self._thread: threading.Thread | None = None
@@ -847,7 +828,7 @@ class _Worker:
                 return False
             self._jobs.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread = threading.Thread(target=self._run, name="traindx-embeddings", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
         return True
@@ -939,22 +920,20 @@ class Embeddings(Collection):
         self._step = 0
         self._stepped = False
         self._armed = False
-        # CPU tables fold and report on a background thread; on CUDA the fold's kernels already run
-        # asynchronously. Natively tracked tables have nothing to fold and report inline: their rows change
-        # in the hooks, so a report on the worker would read a later step's statistics.
+        # Natively tracked tables (see TableState) update their rows in the hooks and report inline: a
+        # report on another thread would read a later step's rows. Where a core is free and a table is too
+        # large for the caches, the queued path gives the shorter step instead: its folds and reports
+        # run on the worker, overlapping the training thread, while the native kernel's random reads of
+        # rows and state would stay on it (a 1M x 32 sparse table, batch 1024: ~1.05-1.2x wall on the
+        # worker, 1.3-1.45x native). On CUDA the fold's kernels already run asynchronously.
         background = self.background if self.background is not None else _spare_core()
+        if background and any(t.native and t.weight.nbytes + t.state_bytes() >= OFFLOAD_BYTES for t in self.tables):
+            for t in self.tables:
+                t.native = False
         on_cpu = bool(self.tables) and all(t.weight.device.type == "cpu" and not t.native for t in self.tables)
         self._worker = _Worker(lambda e: probe.hook_failed("embeddings worker", e)) if background and on_cpu else None
-        # Large natively tracked tables run each step's second half on another thread (the C call releases
-        # the GIL): there its random reads of rows and state miss the cache (~0.8 ms a step on a table of a
-        # million rows, batch 1024). A small table's takes tens of microseconds, less than the handoff.
-        large = [t for t in self.tables if t.native and t.weight.nbytes + t.state_bytes() >= OFFLOAD_BYTES]
-        self._tracker = (_Worker(lambda e: probe.hook_failed("embeddings tracker", e), "traindx-embeddings-tracker")
-                         if background and large else None)
         for t in self.tables:
             t.worker = self._worker
-        for t in large:
-            t.tracker = self._tracker
 
     def due(self, step: int) -> bool:
         return bool(self.tables) and (step % self.track_every == 0 or step % self.interval == 0)
@@ -1018,18 +997,6 @@ class Embeddings(Collection):
         self._stepped = True
         for t in self.tables:
             t.update(self._step, with_delta=True)
-        self._finish()
-
-    def _finish(self) -> None:
-        """The natively tracked tables' track_post, on the tracker (one job for every table) or inline."""
-        tracker = self._tracker
-        if tracker is None:
-            return
-        tables = [t for t in self.tables if t._post_due is not None]
-        if tables and not tracker.submit(lambda: [t.finish() for t in tables]):
-            tracker.wait()
-            for t in tables:
-                t.finish()
 
     def collect(self, step: int) -> list[HostCopy]:
         self._armed = False
@@ -1037,7 +1004,6 @@ class Embeddings(Collection):
             for t in self.tables:
                 t.gather()
                 t.update(step, with_delta=False)
-            self._finish()
         worker = self._worker
         reporting = self.reports(step)
         if not (reporting or any(t.flush_due() for t in self.tables)):
@@ -1098,8 +1064,6 @@ class Embeddings(Collection):
 
     def close(self) -> None:
         self.disarm()
-        if self._tracker is not None:
-            self._tracker.close()
         if self._worker is not None:
             self._worker.close()  # the reports in flight are finished: the probe sends them next
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import threading
 import time
 
 import httpx
@@ -258,6 +257,7 @@ def _run_two_tables(background: bool, steps: int = 45) -> tuple[list, list[torch
     coll = next(c for c in probe.collections if isinstance(c, Embeddings))
     native = all(t.native for t in coll.tables)  # natively tracked tables report inline: no worker
     assert (coll._worker is not None) == (background and not native)
+    assert native == (probes.stats._fastats is not None and not (background and probes.embeddings.OFFLOAD_BYTES == 0))
     gen = torch.Generator().manual_seed(3)
     for step in range(steps):
         ids = torch.randint(0, 25, (16,), generator=gen)
@@ -292,29 +292,21 @@ def test_background_folds_and_reports_equal_inline_ones(torch_fold: None) -> Non
     assert len(entries) == 1
 
 
-def test_a_tracker_thread_gives_the_statistics_and_reports_of_inline_tracking(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Natively tracked tables past OFFLOAD_BYTES run each step's track_post on a thread of their own
-    when a core is free; what they compute and report is what inline tracking gives."""
+def test_native_tracking_inline_unless_a_large_table_has_a_free_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float32 CPU tables are tracked by the native kernel and report inline; with a core free for the
+    worker and a table past OFFLOAD_BYTES, the collection folds on the worker instead (it overlaps the
+    training thread), and reports what native tracking reports."""
     if probes.stats._fastats is None:
         pytest.skip("the native kernel is not built")
-    inline, inline_states = _run_two_tables(False)
+    native, native_states = _run_two_tables(True)  # a core free, but small tables: native, no worker
     monkeypatch.setattr(probes.embeddings, "OFFLOAD_BYTES", 0)  # every table counts as large
-    threads_before = {t.name for t in threading.enumerate()}
-    ran_on: set[str] = set()
-    finish = TableState.finish
-
-    def recorded(self: TableState) -> None:
-        if self._post_due is not None:
-            ran_on.add(threading.current_thread().name)
-        finish(self)
-
-    monkeypatch.setattr(TableState, "finish", recorded)
-    tracked, tracked_states = _run_two_tables(True)
-    assert ran_on == {"traindx-embeddings-tracker"}
-    assert tracked == inline
-    for a, b in zip(tracked_states, inline_states):
-        assert torch.equal(a, b)
-    assert "traindx-embeddings-tracker" not in threads_before | {t.name for t in threading.enumerate()}  # closed
+    queued, queued_states = _run_two_tables(True)
+    assert [(s, n) for s, n, _ in queued] == [(s, n) for s, n, _ in native]
+    for (_, _, a), (_, _, b) in zip(queued, native):
+        assert a["touched_rows"] == b["touched_rows"] and a["never_updated"] == b["never_updated"]
+        assert [r["row"] for r in a["rarest"]] == [r["row"] for r in b["rarest"]]
+    for a, b in zip(queued_states, native_states):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_copies_reuse_one_buffer_and_survive_a_fold_mid_step(torch_fold: None) -> None:
