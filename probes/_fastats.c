@@ -521,8 +521,17 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
+/* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
+ * (a stale .so left by an older install) and keeps its torch path. */
+#define FASTATS_VERSION 1
+
 PyMODINIT_FUNC
 PyInit__fastats(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "VERSION", FASTATS_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

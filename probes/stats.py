@@ -11,14 +11,19 @@ null when any element is NaN or infinite. ``nan_count`` / ``inf_count`` say whic
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Sequence
 
 import torch
 
-try:  # the fused pass (probes/_fastats.c), built by setup.py where a C compiler is; else the torch path
+try:  # the fused passes (probes/_fastats.c), built by setup.py where a C compiler is; else the torch path
     from . import _fastats
 except ImportError:  # pragma: no cover - exercised by the tests with _fastats set to None
+    _fastats = None
+if _fastats is not None and getattr(_fastats, "VERSION", None) != 1:  # a stale build: its arguments differ
+    logging.getLogger("traindx.probe").warning(
+        "traindx: probes/_fastats is an old build (reinstall: pip install -e .); using torch operations")
     _fastats = None
 
 # Rows of the stacked result.
