@@ -3,17 +3,35 @@ numbers a straightforward torch computation gives."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import shutil
+import sys
+import types
 import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
 
+import probes
 import probes.stats
 from probes.collect import _activation_stats
 from probes.stats import _segment_stats, alive_units, rows_from_stats, tensor_stats
+
+
+def test_a_stale_build_of_the_kernel_is_ignored(monkeypatch, caplog):
+    stale = types.ModuleType("probes._fastats")  # an older build: no VERSION, other arguments
+    monkeypatch.setitem(sys.modules, "probes._fastats", stale)
+    monkeypatch.setattr(probes, "_fastats", stale, raising=False)
+    try:
+        importlib.reload(probes.stats)
+        assert probes.stats._fastats is None and "old build" in caplog.text
+        assert rows_from_stats(["a"], probes.stats.host_stats([torch.ones(3)]))[0]["mean"] == 1.0
+    finally:
+        monkeypatch.undo()
+        importlib.reload(probes.stats)
+    assert (probes.stats._fastats is None) == (sys.modules.get("probes._fastats") is None)
 
 
 def test_the_native_kernel_is_built_where_a_compiler_is():
