@@ -256,6 +256,10 @@ class TableState:
         lookups, self.lookups = self.lookups, []
         if grad is None:
             return
+        if grad.shape != w.shape:
+            raise ValueError(f"{self.name}: a gradient of shape {tuple(grad.shape)} for a table of {tuple(w.shape)}")
+        if grad.is_sparse and grad.sparse_dim() != 1:  # not an embedding's (row, width) layout: read it dense
+            grad = grad.to_dense()
         if self.native:
             self._native_pre(grad, lookups)
             return

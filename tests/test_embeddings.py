@@ -292,6 +292,29 @@ def test_background_folds_and_reports_equal_inline_ones(torch_fold: None) -> Non
     assert len(entries) == 1
 
 
+def test_a_gradient_in_another_sparse_layout_is_read_whole(path: str) -> None:
+    """A sparse gradient whose every element is its own entry (sparse_dim 2) gives the statistics of
+    the same gradient held dense; the kernel never reads it as rows."""
+    states = []
+    for layout in ("dense", "coo2"):
+        emb = torch.nn.Embedding(9, 3)
+        t = TableState("w", emb.weight, [emb])
+        gen = torch.Generator().manual_seed(0)
+        for step in range(6):
+            ids = torch.tensor([1, 4, 4, 7])
+            g = torch.zeros(9, 3)
+            g[ids] = torch.randn(4, 3, generator=gen)
+            emb.weight.grad = g.to_sparse(2) if layout == "coo2" else g
+            t.lookups = [ids]
+            t.gather()
+            with torch.no_grad():
+                emb.weight -= 0.1 * g
+            t.update(step, with_delta=True)
+        states.append(t.state.clone())
+    assert torch.allclose(states[0], states[1], rtol=1e-5, atol=1e-7)
+    assert states[0][[1, 4, 7], 0].tolist() == [6.0, 6.0, 6.0]
+
+
 def test_native_tracking_inline_unless_a_large_table_has_a_free_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """Float32 CPU tables are tracked by the native kernel and report inline; with a core free for the
     worker and a table past OFFLOAD_BYTES, the collection folds on the worker instead (it overlaps the
