@@ -260,6 +260,12 @@ class TableState:
             raise ValueError(f"{self.name}: a gradient of shape {tuple(grad.shape)} for a table of {tuple(w.shape)}")
         if grad.is_sparse and grad.sparse_dim() != 1:  # not an embedding's (row, width) layout: read it dense
             grad = grad.to_dense()
+        if self.native and not (w.is_cpu and w.dtype is torch.float32 and w.is_contiguous()):
+            # The table changed dtype, device or layout since attach (model.double(), ...): the kernel
+            # reads float32 rows in place, so the queued path takes over, with the rows seen so far.
+            self.native = False
+            self.window.append(self._win[:self._win_n].clone())
+            self._win_n = 0
         if self.native:
             self._native_pre(grad, lookups)
             return
@@ -376,7 +382,7 @@ class TableState:
         the queue starts empty again, in another buffer."""
         pending, self.pending, self.pending_rows = self.pending, [], 0
         buf, self._buf = self._buf, None
-        if self._cur is not None and len(self._cur) == 4 and self._cur[3] is not None:  # taken mid-step: that step's copies leave it
+        if self._cur is not None and len(self._cur) == 4 and self._cur[3] is not None:  # taken mid-step: its copies leave
             ids, g, before, _ = self._cur
             self._cur = (ids, g if isinstance(g, tuple) else g.clone(), before.clone(), None)
         return pending, buf

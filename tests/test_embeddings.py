@@ -315,6 +315,23 @@ def test_a_gradient_in_another_sparse_layout_is_read_whole(path: str) -> None:
     assert states[0][[1, 4, 7], 0].tolist() == [6.0, 6.0, 6.0]
 
 
+def test_a_table_that_changes_dtype_after_attach_is_tracked_on(path: str) -> None:
+    """model.double() after attach: the kernel reads float32 rows in place, so the table moves to the
+    queued path and keeps counting; nothing is read as the wrong type."""
+    torch.manual_seed(0)
+    model = Toy(rows=10, dim=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, sink = attach(model, opt, interval=5)
+    ids = torch.tensor([0, 1, 2, 2, 5])
+    train(model, probe, 6, ids=ids, opt=opt)
+    model.double()
+    train(model, probe, 6, ids=ids, opt=opt)
+    probe.close()
+    t = table_state(probe)
+    assert not t.native and t.touches[[0, 1, 2, 5]].tolist() == [12.0] * 4 and t.touches[3] == 0
+    assert summaries(sink)[-1][1]["embedding"]["touched_rows"] == 4
+
+
 def test_native_tracking_inline_unless_a_large_table_has_a_free_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """Float32 CPU tables are tracked by the native kernel and report inline; with a core free for the
     worker and a table past OFFLOAD_BYTES, the collection folds on the worker instead (it overlaps the
