@@ -282,7 +282,8 @@ def series(store: Store, run: str, name: str, *, max_points: int = 500, collecti
         if field not in STAT_COLUMNS:
             raise ApiError(422, "invalid_parameter", f"field must be one of {', '.join(STAT_COLUMNS)}")
         table = stats_table(conn, run, collection, rank)
-        kept, total = min_max_query(conn, table, field, "run=? AND collection=? AND tensor=? AND step BETWEEN ? AND ?" + only,
+        kept, total = min_max_query(conn, table, field,
+                                    "run=? AND collection=? AND tensor=? AND step BETWEEN ? AND ?" + only,
                                     (run, collection, name, lo, hi, *extra), max_points)
     return Series(run=run, name=name, points=[SeriesPoint(step=s, value=v) for s, v in kept],
                   downsampled=len(kept) < total)

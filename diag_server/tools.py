@@ -67,8 +67,8 @@ def build_mcp(services: Services, version: str) -> MCPServer:
     async def get_run(run: RunArg) -> RunSummary:
         """Summary of one run: status, last step, latest value of every scalar (loss, val_loss, sys/...),
         open anomalies by kind, fixes by status, and the run's latest messages (the probe degraded or
-        skipped a hook; the job ended on an uncaught exception or was killed by a signal, named there). Use it to check progress
-        after a fix, and to learn why a run ended."""
+        skipped a hook; the job ended on an uncaught exception or was killed by a signal, named there). Use
+        it to check progress after a fix, and to learn why a run ended."""
         return await _call(queries.run_summary, store, run)
 
     @tool(_READ)

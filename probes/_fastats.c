@@ -328,8 +328,9 @@ fastats_track_pre(PyObject *Py_UNUSED(self), PyObject *args)
     unsigned long long ids_p, grad_p, gi_p, gv_p, w_p, proj_p, pad_p, keys_p, slots_p, uniq_p, cnt_p, gsk_p,
         before_p, acc_p;
     Py_ssize_t n_ids, rows, dim, k, n_g, n_pad, h;
-    if (!PyArg_ParseTuple(args, "KnnnnKKKnKKKnKKnKKKKK", &ids_p, &n_ids, &rows, &dim, &k, &grad_p, &gi_p, &gv_p,
-                          &n_g, &w_p, &proj_p, &pad_p, &n_pad, &keys_p, &slots_p, &h, &uniq_p, &cnt_p, &gsk_p,
+    /* what changes every step, then the table's fixed arguments, then the scratch */
+    if (!PyArg_ParseTuple(args, "KnKKKnKnnnKKnKKnKKKKK", &ids_p, &n_ids, &grad_p, &gi_p, &gv_p, &n_g, &w_p, &rows,
+                          &dim, &k, &proj_p, &pad_p, &n_pad, &keys_p, &slots_p, &h, &uniq_p, &cnt_p, &gsk_p,
                           &before_p, &acc_p))
         return NULL;
     const int64_t *ids = (const int64_t *)(uintptr_t)ids_p, *gi = (const int64_t *)(uintptr_t)gi_p;
@@ -468,8 +469,9 @@ fastats_track_post(PyObject *Py_UNUSED(self), PyObject *args)
     Py_ssize_t nu, dim, k;
     int with_delta;
     double a_ema, a_slow_min, min_touches;
-    if (!PyArg_ParseTuple(args, "nKKKKKnnpKKKddd", &nu, &uniq_p, &cnt_p, &gsk_p, &before_p, &w_p, &dim, &k,
-                          &with_delta, &state_p, &counts_p, &out_p, &a_ema, &a_slow_min, &min_touches))
+    /* what changes every step, then the table's fixed arguments */
+    if (!PyArg_ParseTuple(args, "nKKKKKpKnnKKddd", &nu, &uniq_p, &cnt_p, &gsk_p, &before_p, &w_p, &with_delta,
+                          &out_p, &dim, &k, &state_p, &counts_p, &a_ema, &a_slow_min, &min_touches))
         return NULL;
     if (nu < 0 || dim <= 0 || k <= 0 || k > 64 || out_p == 0) {
         PyErr_SetString(PyExc_ValueError, "track_post: bad arguments");
@@ -523,7 +525,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 1
+#define FASTATS_VERSION 2
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

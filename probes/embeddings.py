@@ -121,6 +121,12 @@ def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, l
     return list(seen.values())
 
 
+def _kernel_reads(weight: torch.Tensor) -> bool:
+    """Whether the native kernel can track this table: it reads float32 rows in place, on the CPU."""
+    return (stats._fastats is not None and weight.is_cpu and weight.dtype is torch.float32
+            and weight.is_contiguous())
+
+
 class _Scratch:
     """One tracked step's scratch for the native kernel (see TableState._native_pre), for up to ``cap``
     lookups: O(lookups), allocated again only when a step has more. ``pre`` and ``post``: the pointers
@@ -166,7 +172,10 @@ class TableState:
         # counters, the rows touched since then, the lists of the previous report, and a fixed random
         # sample of rows for medians and the collapse statistics.
         self.sample = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + 1))[:SAMPLE_ROWS].sort().values.to(dev)
-        self.window: list[torch.Tensor] = []
+        # The rows whose statistics changed since the last report (what it re-ranks): unsorted, with repeats
+        # until compacted (see _window_room); the fold appends to it, the native kernel writes into it.
+        self._win = torch.zeros(0, dtype=torch.long, device=dev)
+        self._win_n = 0
         empty = torch.zeros(0, dtype=torch.long, device=dev)
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = empty, empty, empty, empty
         self.dead_scan = 0
@@ -189,25 +198,20 @@ class TableState:
         # Rows updated at least once, non-finite, and eligible (>= MIN_TOUCHES updates, finite), kept as
         # rows change so that a report does not count them over the whole table.
         self.counts = torch.zeros(3, dtype=torch.long, device=dev)
-        self._fixed_post = (self.dim, self.k)
-        self._fixed_state = (self._state.data_ptr(), self.counts.data_ptr())
         # The collection's background worker (CPU tables), which folds queued steps into _state: every
         # reader outside it waits for the folds in flight (see state).
         self.worker: _Worker | None = None
         # A float32 CPU table with the native kernel (probes/_fastats.c) skips the queue: each tracked step
         # updates its rows' statistics in the optimizer step's hooks (track_pre / track_post), the same
         # recurrences as _fold, one step at a time, with O(lookups) scratch.
-        self.native = stats._fastats is not None and dev.type == "cpu" and weight.dtype == torch.float32
+        self.native = _kernel_reads(weight)
         self._scratch: _Scratch | None = None
-        # The rows a natively tracked table updated since the last report (see seen()), unsorted, with
-        # repeats until compacted: the queued path's ``window`` without a tensor per step.
-        self._win = torch.empty(0, dtype=torch.long)
-        self._win_n = 0
-        # What the kernel reads that never moves (the state, counters, projection and padding rows are
-        # allocated once), so that a tracked step only looks up what changes.
-        self._fixed_pre = (self.rows, self.dim, self.k)
-        self._fixed_proj = (self.proj.data_ptr() if self.native and self.proj is not None else 0,
-                            self.padding.data_ptr(), self.padding.numel())
+        # The kernel's arguments that never change (the state, counters, projection and padding rows are
+        # allocated once), so that a tracked step only looks up the rest.
+        self._fixed_pre = (self.rows, self.dim, self.k, self.proj.data_ptr() if self.proj is not None else 0,
+                           self.padding.data_ptr(), self.padding.numel())
+        self._fixed_post = (self.dim, self.k, self._state.data_ptr(), self.counts.data_ptr(), EMA_ALPHA,
+                            SLOW_ALPHA, MIN_TOUCHES)
 
     def state_bytes(self) -> int:
         return self._state.numel() * self._state.element_size()
@@ -260,83 +264,61 @@ class TableState:
             raise ValueError(f"{self.name}: a gradient of shape {tuple(grad.shape)} for a table of {tuple(w.shape)}")
         if grad.is_sparse and grad.sparse_dim() != 1:  # not an embedding's (row, width) layout: read it dense
             grad = grad.to_dense()
-        if self.native and not (w.is_cpu and w.dtype is torch.float32 and w.is_contiguous()):
-            # The table changed dtype, device or layout since attach (model.double(), ...): the kernel
-            # reads float32 rows in place, so the queued path takes over, with the rows seen so far.
-            self.native = False
-            self.window.append(self._win[:self._win_n].clone())
-            self._win_n = 0
-        if self.native:
-            self._native_pre(grad, lookups)
-            return
-        if grad.is_sparse:
-            if lookups:
-                ids = lookups[0] if len(lookups) == 1 else torch.cat(lookups)
-                # The uncoalesced entries, copied: duplicates are summed in flush(), which also drops the
-                # entries of rows no forward hook saw (a row gets a gradient only where it was looked up).
-                g: Any = (grad._indices()[0].clone(), grad._values().detach().clone())
-            else:  # looked up outside the modules' forward (functional call): one lookup per row
-                grad = grad.coalesce()
-                ids, g = grad.indices()[0], grad.values().detach().clone()
-        else:
-            if not lookups:
-                return
+        # A sparse gradient: its uncoalesced (row, values) entries, where duplicates add up and the entries
+        # of rows no forward hook saw drop (a row gets a gradient only where it was looked up); or, looked
+        # up outside the modules' forward (a functional call), its coalesced rows: one lookup per row.
+        entries = None
+        if grad.is_sparse and lookups:
             ids = lookups[0] if len(lookups) == 1 else torch.cat(lookups)
+            entries = (grad._indices()[0], grad._values().detach())
+        elif grad.is_sparse:
+            grad = grad.coalesce()
+            ids = grad.indices()[0]
+            entries = (ids, grad.values().detach())
+        elif lookups:
+            ids = lookups[0] if len(lookups) == 1 else torch.cat(lookups)
+        else:
+            return
+        if self.native and not _kernel_reads(w):
+            self.native = False  # the table changed dtype, device or layout since attach: the queued path
+        if self.native:
+            self._native_pre(ids, grad, entries)
+            return
+        if entries is None:
             g = None
+        elif lookups:  # copied: the optimizer may not leave them be
+            g = (entries[0].clone(), entries[1].clone())
+        else:
+            g = entries[1].clone()  # one row per id, in their order
         at = self._reserve(ids.numel()) if self.reuse_buffers else None
         if g is None:
             g = self._copy_rows(grad, ids, 0, at)
         self._cur = (ids, g, self._copy_rows(w.detach(), ids, 1, at), at)
 
-    def _native_pre(self, grad: torch.Tensor, lookups: list[torch.Tensor]) -> None:
-        gi = gv = None
-        if grad.is_sparse:
-            if lookups:
-                ids = lookups[0] if len(lookups) == 1 else torch.cat(lookups)
-                gi, gv = grad._indices()[0], grad._values()
-            else:  # looked up outside the modules' forward (functional call): one lookup per row
-                grad = grad.coalesce()
-                ids = gi = grad.indices()[0]
-                gv = grad.values()
-            gi, gv = gi.contiguous(), gv.detach().float().contiguous()
-        else:
-            if not lookups:
-                return
-            ids = lookups[0] if len(lookups) == 1 else torch.cat(lookups)
-            if grad.dtype is not torch.float32 or not grad.is_contiguous():
-                grad = grad.float().contiguous()
+    def _native_pre(self, ids: torch.Tensor, grad: torch.Tensor, entries: tuple | None) -> None:
+        """track_pre over this step's lookups (``entries``: a sparse gradient's, see gather())."""
         if ids.dtype is not torch.int64 or not ids.is_contiguous():
             ids = ids.long().contiguous()
         n = ids.numel()
+        sparse = entries is not None
+        if sparse:
+            gi, gv = entries[0].contiguous(), entries[1].float().contiguous()
+            gpart = (0, gi.data_ptr(), gv.data_ptr(), gv.shape[0])
+        else:
+            if grad.dtype is not torch.float32 or not grad.is_contiguous():
+                grad = grad.float().contiguous()
+            gpart = (grad.data_ptr(), 0, 0, 0)
         sc = self._scratch
-        if sc is None or sc.cap < n or (gv is not None and sc.acc is None):
-            sc = self._scratch = _Scratch(max(n, 2 * sc.cap if sc is not None else 0), self.k, self.dim, gv is not None)
-        sparse = gv is not None
-        nu = stats._fastats.track_pre(
-            ids.data_ptr(), n, *self._fixed_pre, 0 if sparse else grad.data_ptr(), gi.data_ptr() if sparse else 0,
-            gv.data_ptr() if sparse else 0, gv.shape[0] if sparse else 0, self.weight.data_ptr(),
-            *self._fixed_proj, *sc.pre)
+        if sc is None or sc.cap < n or (sparse and sc.acc is None):
+            sc = self._scratch = _Scratch(max(n, 2 * sc.cap if sc is not None else 0), self.k, self.dim, sparse)
+        nu = stats._fastats.track_pre(ids.data_ptr(), n, *gpart, self.weight.data_ptr(), *self._fixed_pre, *sc.pre)
         self._cur = ("native", nu)
 
     def _native_post(self, nu: int, with_delta: bool) -> None:
-        sc = self._scratch
-        if self._win_n + nu > self._win.numel():
-            # Room for 64 steps of this size (a report usually comes first); past that, compact it (rows
-            # repeat across steps), and grow it while more than half of it is distinct rows.
-            rows = self._win[:self._win_n]
-            if self._win.numel() >= 64 * nu:
-                rows = torch.unique(rows)
-            size = max(64 * nu, self._win.numel(), 2 * (rows.numel() + nu))
-            if size > self._win.numel():
-                win = torch.empty(size, dtype=torch.long)
-                win[:rows.numel()] = rows
-                self._win = win
-            else:
-                self._win[:rows.numel()] = rows
-            self._win_n = rows.numel()
-        self._win_n += stats._fastats.track_post(
-            nu, *sc.post, self.weight.data_ptr(), *self._fixed_post, with_delta, *self._fixed_state,
-            self._win.data_ptr() + self._win_n * 8, EMA_ALPHA, SLOW_ALPHA, MIN_TOUCHES)
+        """track_post: the rows' statistics, once the optimizer moved them; the rows go to the window."""
+        at = self._window_room(nu)
+        self._win_n += stats._fastats.track_post(nu, *self._scratch.post, self.weight.data_ptr(), with_delta,
+                                                 self._win.data_ptr() + at * 8, *self._fixed_post)
 
     def _reserve(self, n: int) -> int | None:
         """Where this step's rows go in the queue's buffer; None: fresh tensors."""
@@ -382,8 +364,9 @@ class TableState:
         the queue starts empty again, in another buffer."""
         pending, self.pending, self.pending_rows = self.pending, [], 0
         buf, self._buf = self._buf, None
-        if self._cur is not None and len(self._cur) == 4 and self._cur[3] is not None:  # taken mid-step: its copies leave
-            ids, g, before, _ = self._cur
+        cur = self._cur
+        if cur is not None and len(cur) == 4 and cur[3] is not None:  # taken mid-step: its copies leave
+            ids, g, before, _ = cur
             self._cur = (ids, g if isinstance(g, tuple) else g.clone(), before.clone(), None)
         return pending, buf
 
@@ -533,9 +516,9 @@ class TableState:
                          1.0 - fin.index_select(0, end)[:, None], m.index_select(1, end).t(), prev_row], dim=1)
         self.counts += _counts(new) - _counts(old)
         self._state.index_copy_(0, rows, new)
-        self.window.append(rows)
-        if len(self.window) > 64:  # bounded, however long the report interval
-            self.window = [torch.unique(torch.cat(self.window))]
+        at = self._window_room(rows.numel())
+        self._win[at:at + rows.numel()] = rows
+        self._win_n += rows.numel()
 
     # -- derived per-row values ------------------------------------------------------------------------
     def snr(self, idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -596,13 +579,20 @@ class TableState:
         return torch.where(el, score, torch.full_like(score, float("-inf")))
 
     # -- a report --------------------------------------------------------------------------------------
-    def seen(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The rows whose statistics changed since the last report, handed over to it, and the counters."""
-        if self.native:
-            window, self._win_n = [self._win[:self._win_n]], 0
-            return window, self.counts
-        window, self.window = self.window, []
-        return window, self.counts
+    def _window_room(self, n: int) -> int:
+        """Room for ``n`` more changed rows in the window; where they go. Past twice the table's rows or
+        64 times ``n`` (64 steps, or folds, of this size) its repeats are dropped, so that it stays
+        O(rows + n) however long the report interval; it grows by doubling."""
+        if self._win_n + n > max(2 * self.rows, 64 * n):
+            rows = torch.unique(self._win[:self._win_n])
+            self._win[:rows.numel()] = rows
+            self._win_n = rows.numel()
+        if self._win_n + n > self._win.numel():
+            win = torch.empty(max(self._win_n + n, 2 * self._win.numel(), 1024), dtype=torch.long,
+                              device=self._win.device)
+            win[:self._win_n] = self._win[:self._win_n]
+            self._win = win
+        return self._win_n
 
     def snapshot(self) -> torch.Tensor | None:
         """The sampled rows' values that a report's collapse statistics read, copied at the report's step
@@ -616,8 +606,8 @@ class TableState:
         O(rows touched since the last report + TOP_ROWS + SAMPLE_ROWS): the lists are re-ranked over
         the rows that changed plus the previous lists (a row nobody touched kept its statistics)."""
         R, dev, w = self.rows, self.weight.device, self.weight.detach()
-        window, counts = self.seen()
-        win = torch.unique(torch.cat(window)) if window else self.zombie_ids[:0]
+        win = torch.unique(self._win[:self._win_n])
+        self._win_n = 0
         self.refresh_medians()
         k = min(TOP_ROWS, R)
         inf = float("inf")
@@ -641,7 +631,7 @@ class TableState:
 
         # On the worker, read a step or two after the report's step: a row gone NaN or inf stays so.
         bad = w.index_select(0, self.nonfinite_ids)
-        touched_count, nonfinite_count, eligible_count = counts.unbind()  # kept as rows change: no O(rows) pass
+        touched_count, nonfinite_count, eligible_count = self.counts.unbind()  # kept as rows change: no O(rows) pass
         untouched_bad = (self.touches.index_select(0, self.nonfinite_ids) == 0).sum()
         pad = self.padding.numel()
         never = R - touched_count - untouched_bad - pad

@@ -17,11 +17,13 @@ from typing import Sequence
 
 import torch
 
+# The argument layout of probes/_fastats.c this code calls (its FASTATS_VERSION).
+KERNEL_VERSION = 2
 try:  # the fused passes (probes/_fastats.c), built by setup.py where a C compiler is; else the torch path
     from . import _fastats
 except ImportError:  # pragma: no cover - exercised by the tests with _fastats set to None
     _fastats = None
-if _fastats is not None and getattr(_fastats, "VERSION", None) != 1:  # a stale build: its arguments differ
+if _fastats is not None and getattr(_fastats, "VERSION", None) != KERNEL_VERSION:  # a stale build: its arguments differ
     logging.getLogger("traindx.probe").warning(
         "traindx: probes/_fastats is an old build (reinstall: pip install -e .); using torch operations")
     _fastats = None
@@ -125,6 +127,7 @@ def cpu_row(t: torch.Tensor) -> list[float]:
 
 def outside(y: torch.Tensor, lo: float, hi: float) -> int:
     """How many elements of a float CPU tensor are <= lo or >= hi (a bounded activation's saturated ones)."""
+    y = y.contiguous()  # a copy only where the layout needs one
     if native(y):
         return _fastats.outside(y.data_ptr(), y.numel(), lo, hi, y.dtype == torch.float64)
     return int(((y <= lo) | (y >= hi)).sum().item())
@@ -132,8 +135,8 @@ def outside(y: torch.Tensor, lo: float, hi: float) -> int:
 
 def alive_units(y: torch.Tensor, dim: int) -> int:
     """How many units along ``dim`` of a float CPU tensor are > 0 for some sample (the rest are dead)."""
-    if _fastats is not None and y.dtype in _NATIVE and y.layout == torch.strided and not y.is_neg():
-        y = y.contiguous()
+    y = y.contiguous()  # a copy only where the layout needs one
+    if native(y):
         shape = y.shape
         return _fastats.alive(y.data_ptr(), math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1:]),
                               y.dtype == torch.float64)

@@ -332,6 +332,29 @@ def test_a_table_that_changes_dtype_after_attach_is_tracked_on(path: str) -> Non
     assert summaries(sink)[-1][1]["embedding"]["touched_rows"] == 4
 
 
+def test_the_window_of_changed_rows_stays_bounded_between_reports(path: str) -> None:
+    """However long the report interval, the rows changed since the last report are kept with their
+    repeats dropped past max(2 x rows, 64 x a step's rows): the report still names each once."""
+    torch.manual_seed(0)
+    model = Toy(rows=10, dim=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, sink = attach(model, opt, interval=400)
+    ids = torch.tensor([0, 1, 2, 2, 5])
+    t = table_state(probe)
+    most = 0
+
+    def bounded() -> bool:
+        nonlocal most
+        most = max(most, t._win_n)
+        return t._win_n <= 64 * 4  # 4 rows a step natively, 4 a fold queued
+    train(model, probe, 399, ids=ids, opt=opt, after_step=lambda _: bounded() or pytest.fail(f"{t._win_n}"))
+    assert most > 64 or path == "torch"  # natively, it filled and was compacted
+    train(model, probe, 2, ids=ids, opt=opt)  # step 400 reports
+    probe.close()
+    last = summaries(sink)[-1]
+    assert last[0] == 400 and last[1]["embedding"]["window_touched_rows"] == 4
+
+
 def test_native_tracking_inline_unless_a_large_table_has_a_free_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """Float32 CPU tables are tracked by the native kernel and report inline; with a core free for the
     worker and a table past OFFLOAD_BYTES, the collection folds on the worker instead (it overlaps the
