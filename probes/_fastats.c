@@ -22,6 +22,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 2048
@@ -278,6 +279,44 @@ static inline Py_ssize_t slot_of(int64_t id, int64_t *keys, int64_t *slots, Py_s
     return (*nu)++;
 }
 
+/* Eight floats in one vector (GCC/clang vector extensions: one AVX register, or two SSE ones). Short rows
+ * are summed with these explicitly: the auto-vectoriser's float reductions carry a costly epilogue per row,
+ * or shuffle across the loop it should keep. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+#pragma GCC diagnostic ignored "-Wpsabi" /* the baseline clone passes v8f in memory: static functions only */
+
+static inline v8f load8(const float *p)
+{
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float sum8(v8f v)
+{
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+/* The largest |element| of a row (NaN when it holds a NaN), from the bits: a float's magnitude orders as
+ * its bits with the sign cleared, and a NaN's bits are above inf's. An integer max, which the compiler
+ * vectorises without the float reduction's epilogue (rows are short: 1 to a few hundred elements). */
+static inline float max_abs_row(const float *g, Py_ssize_t dim)
+{
+    uint32_t m = 0;
+    for (Py_ssize_t d = 0; d < dim; d++) {
+        uint32_t b;
+        memcpy(&b, g + d, sizeof b);
+        b &= 0x7fffffffu;
+        m = b > m ? b : m;
+    }
+    if (m > 0x7f800000u)
+        return NAN;
+    float f;
+    memcpy(&f, &m, sizeof f);
+    return f;
+}
+
 /* Per distinct row of a step: the gradient row's largest |element| (NaN when it holds a NaN) and its
  * sketch (g @ proj, proj (dim, k); g itself when proj is NULL and k == dim), and a copy of the row. */
 CLONES static void reduce_rows(Py_ssize_t nu, const int64_t *uniq, const float *grad, const float *acc,
@@ -287,27 +326,21 @@ CLONES static void reduce_rows(Py_ssize_t nu, const int64_t *uniq, const float *
     for (Py_ssize_t s = 0; s < nu; s++) {
         const float *g = grad != NULL ? grad + uniq[s] * dim : acc + s * dim;
         float *out = gsk + s * (k + 1);
-        float mx = 0.0f;
-        int nan = 0;
-        _Pragma("omp simd reduction(max : mx) reduction(| : nan)")
-        for (Py_ssize_t d = 0; d < dim; d++) {
-            const float a = fabsf(g[d]);
-            nan |= a != a;
-            mx = a > mx ? a : mx;
-        }
-        out[0] = nan ? NAN : mx;
+        out[0] = max_abs_row(g, dim);
         if (proj == NULL) {
-            memcpy(out + 1, g, (size_t)dim * sizeof(float));
-        } else if (k == 8) { /* SKETCH_DIM: one vector of 8 per gradient element */
-            float o[8] = {0};
-            for (Py_ssize_t d = 0; d < dim; d++) {
-                const float gd = g[d];
-                const float *pr = proj + d * 8;
-                _Pragma("omp simd")
-                for (int j = 0; j < 8; j++)
-                    o[j] += gd * pr[j];
+            for (Py_ssize_t d = 0; d < dim; d++)
+                out[1 + d] = g[d];
+        } else if (k == 8) { /* SKETCH_DIM: one vector of 8 per gradient element, in two independent sums */
+            v8f o = {0}, e = {0};
+            Py_ssize_t d = 0;
+            for (; d + 2 <= dim; d += 2) {
+                o += g[d] * load8(proj + d * 8);
+                e += g[d + 1] * load8(proj + d * 8 + 8);
             }
-            memcpy(out + 1, o, sizeof o);
+            if (d < dim)
+                o += g[d] * load8(proj + d * 8);
+            o += e;
+            memcpy(out + 1, &o, sizeof o);
         } else {
             for (Py_ssize_t j = 0; j < k; j++)
                 out[1 + j] = 0.0f;
@@ -318,7 +351,10 @@ CLONES static void reduce_rows(Py_ssize_t nu, const int64_t *uniq, const float *
                     out[1 + j] += gd * pr[j];
             }
         }
-        memcpy(before + s * dim, w + uniq[s] * dim, (size_t)dim * sizeof(float));
+        const float *src = w + uniq[s] * dim;
+        float *dst = before + s * dim;
+        for (Py_ssize_t d = 0; d < dim; d++)
+            dst[d] = src[d];
     }
 }
 
@@ -395,8 +431,8 @@ fastats_track_pre(PyObject *Py_UNUSED(self), PyObject *args)
  * energy per lookup, non-finite flag, mean gradient (k), previous innovation (k) */
 CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const float *cnt, const float *gsk,
                                      const float *before, const float *w, Py_ssize_t dim, Py_ssize_t k,
-                                     int with_delta, float *state, int64_t *counts, int64_t *out, double a_ema,
-                                     double a_slow_min, double min_touches)
+                                     int with_delta, float *state, int64_t *counts, int64_t *out, uint8_t *inwin,
+                                     double a_ema, double a_slow_min, double min_touches)
 {
     const Py_ssize_t C = 8 + 2 * k;
     Py_ssize_t touched = 0;
@@ -405,17 +441,25 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
         if (gmax == 0.0f) /* a looked-up row with an exactly zero gradient did not learn; NaN is a touch */
             continue;
         const int64_t row = uniq[s];
-        out[touched++] = row; /* the rows whose statistics change (the report's window) */
+        if (!inwin[row]) { /* the rows whose statistics changed since the last report (its window), once each */
+            inwin[row] = 1;
+            out[touched++] = row;
+        }
         const float *after = w + row * dim, *prior = before + s * dim;
-        float step2 = 0.0f;
-        int bad = 0;
-        _Pragma("omp simd reduction(+ : step2) reduction(| : bad)")
-        for (Py_ssize_t d = 0; d < dim; d++) {
-            const float a = after[d], dd = a - prior[d];
-            bad |= !((a - a) == 0.0f); /* NaN or +-Inf */
+        /* ||after - before||^2 in 8 independent sums (vectorised without a reduction's epilogue), and
+         * whether the row is finite after the step (max |element| below inf's bits) */
+        v8f part = {0};
+        Py_ssize_t d = 0;
+        for (; d + 8 <= dim; d += 8) {
+            const v8f dd = load8(after + d) - load8(prior + d);
+            part += dd * dd;
+        }
+        float step2 = sum8(part);
+        for (; d < dim; d++) {
+            const float dd = after[d] - prior[d];
             step2 += dd * dd;
         }
-        const int fin = !bad && isfinite(gmax);
+        const int fin = max_abs_row(after, dim) < INFINITY && isfinite(gmax);
         float *st = state + row * C;
         const double t_old = st[0];
         const int bad_old = st[7] > 0;
@@ -430,8 +474,24 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
         const double a_mean = fin && warm >= 1.0 ? (inv_w > a_slow_min ? inv_w : a_slow_min) : 0.0;
         const float *sk = gsk + s * (k + 1) + 1;
         float *m = st + 8, *prev = st + 8 + k;
-        double gs[64], inno[64], dot = 0.0, in2 = 0.0, pv2 = 0.0, gn2 = 0.0, msq = 0.0;
-        for (Py_ssize_t j = 0; j < k; j++) {
+        double dot = 0.0, in2 = 0.0, pv2 = 0.0, gn2 = 0.0, msq = 0.0;
+        if (k == 8) { /* SKETCH_DIM: the same sums on one vector of 8 */
+            v8f g8 = load8(sk), m8 = load8(m), p8 = load8(prev);
+            const v8f zero = {0};
+            const v8i finite = g8 - g8 == zero; /* -1 where finite (clean(): NaN and +-inf become 0) */
+            g8 = fin ? (v8f)((v8i)g8 & finite) : zero;
+            const v8f in8 = g8 - m8, mn8 = m8 + (float)a_fast * (g8 - m8);
+            dot = sum8(in8 * p8);
+            in2 = sum8(in8 * in8);
+            pv2 = sum8(p8 * p8);
+            gn2 = sum8(g8 * g8);
+            msq = sum8(mn8 * mn8);
+            memcpy(m, &mn8, sizeof mn8);
+            if (fin)
+                memcpy(prev, &in8, sizeof in8);
+        }
+        double gs[64], inno[64];
+        for (Py_ssize_t j = 0; j < k && k != 8; j++) {
             gs[j] = fin ? clean(sk[j]) : 0.0;
             inno[j] = gs[j] - m[j];
             dot += inno[j] * prev[j];
@@ -442,7 +502,7 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
             m[j] = (float)mj;
             msq += mj * mj;
         }
-        if (fin)
+        if (fin && k != 8)
             for (Py_ssize_t j = 0; j < k; j++)
                 prev[j] = (float)inno[j];
         const double target[6] = {with_delta ? clean(sqrt((double)step2)) : 0.0, dot, sqrt(in2 * pv2), gn2, msq,
@@ -465,15 +525,15 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
 static PyObject *
 fastats_track_post(PyObject *Py_UNUSED(self), PyObject *args)
 {
-    unsigned long long uniq_p, cnt_p, gsk_p, before_p, w_p, state_p, counts_p, out_p;
+    unsigned long long uniq_p, cnt_p, gsk_p, before_p, w_p, state_p, counts_p, out_p, inwin_p;
     Py_ssize_t nu, dim, k;
     int with_delta;
     double a_ema, a_slow_min, min_touches;
     /* what changes every step, then the table's fixed arguments */
-    if (!PyArg_ParseTuple(args, "nKKKKKpKnnKKddd", &nu, &uniq_p, &cnt_p, &gsk_p, &before_p, &w_p, &with_delta,
-                          &out_p, &dim, &k, &state_p, &counts_p, &a_ema, &a_slow_min, &min_touches))
+    if (!PyArg_ParseTuple(args, "nKKKKKpKnnKKKddd", &nu, &uniq_p, &cnt_p, &gsk_p, &before_p, &w_p, &with_delta,
+                          &out_p, &dim, &k, &state_p, &counts_p, &inwin_p, &a_ema, &a_slow_min, &min_touches))
         return NULL;
-    if (nu < 0 || dim <= 0 || k <= 0 || k > 64 || out_p == 0) {
+    if (nu < 0 || dim <= 0 || k <= 0 || k > 64 || out_p == 0 || inwin_p == 0) {
         PyErr_SetString(PyExc_ValueError, "track_post: bad arguments");
         return NULL;
     }
@@ -484,10 +544,264 @@ fastats_track_post(PyObject *Py_UNUSED(self), PyObject *args)
     float *state = (float *)(uintptr_t)state_p;
     Py_ssize_t touched;
     Py_BEGIN_ALLOW_THREADS
-    touched = update_rows(nu, uniq, cnt, gsk, before, w, dim, k, with_delta, state, counts, out, a_ema,
-                          a_slow_min, min_touches);
+    touched = update_rows(nu, uniq, cnt, gsk, before, w, dim, k, with_delta, state, counts, out,
+                          (uint8_t *)(uintptr_t)inwin_p, a_ema, a_slow_min, min_touches);
     Py_END_ALLOW_THREADS
     return PyLong_FromSsize_t(touched);
+}
+
+/* ---- embedding rows: a report (probes/embeddings.py, TableState._native_report) ----------------------
+ *
+ * The same summary as TableState.report's torch operations (which stay for CUDA tables, other dtypes and
+ * installs without this kernel), computed in two passes over the rows that matter: the fixed sample of
+ * rows (medians, the share of eligible rows whose updates reverse, which rows the collapse statistics
+ * read) and the candidates (the rows changed since the last report and the previous lists), ranked with
+ * a bounded heap. O(sample + candidates x log TOP_ROWS); the torch path's ~100 small operations a table
+ * cost more than the arithmetic on the CPU.
+ *
+ * Ties are broken by the lower row id, as the torch path's stable sort of its id-sorted candidates does. */
+
+typedef struct {
+    float key;
+    int64_t id;
+} ranked_t;
+
+/* a before b in the output: a smaller key (rare) or a larger one (zombie: keys negated), then the lower id */
+static inline int ranked_before(ranked_t a, ranked_t b)
+{
+    return a.key < b.key || (a.key == b.key && a.id < b.id);
+}
+
+/* A max-heap of the k best so far (its top: the worst of them). */
+static void heap_offer(ranked_t *h, Py_ssize_t *n, Py_ssize_t k, ranked_t x)
+{
+    Py_ssize_t i;
+    if (*n < k) {
+        i = (*n)++;
+        while (i > 0 && ranked_before(h[(i - 1) / 2], x)) {
+            h[i] = h[(i - 1) / 2];
+            i = (i - 1) / 2;
+        }
+        h[i] = x;
+        return;
+    }
+    if (k == 0 || !ranked_before(x, h[0]))
+        return;
+    i = 0;
+    for (;;) { /* sift x down from the root */
+        Py_ssize_t c = 2 * i + 1;
+        if (c >= *n)
+            break;
+        if (c + 1 < *n && ranked_before(h[c], h[c + 1]))
+            c++;
+        if (!ranked_before(x, h[c]))
+            break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = x;
+}
+
+static int ranked_cmp(const void *a, const void *b)
+{
+    const ranked_t x = *(const ranked_t *)a, y = *(const ranked_t *)b;
+    return ranked_before(x, y) ? -1 : (ranked_before(y, x) ? 1 : 0);
+}
+
+static int id_cmp(const void *a, const void *b)
+{
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* the lower median of v[0..n) (torch's median), reordering v; NaN when n is 0 */
+static float lower_median(float *v, Py_ssize_t n)
+{
+    if (n == 0)
+        return NAN;
+    Py_ssize_t lo = 0, hi = n - 1, want = (n - 1) / 2;
+    while (lo < hi) { /* quickselect, middle pivot */
+        const float pivot = v[lo + (hi - lo) / 2];
+        Py_ssize_t i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] < pivot)
+                i++;
+            while (v[j] > pivot)
+                j--;
+            if (i <= j) {
+                const float t = v[i];
+                v[i++] = v[j];
+                v[j--] = t;
+            }
+        }
+        if (want <= j)
+            hi = j;
+        else if (want >= i)
+            lo = i;
+        else
+            break;
+    }
+    return v[want];
+}
+
+static inline float ratio_f(float num, float den) { return num / (den > 1e-30f ? den : 1e-30f); }
+
+/* a candidate's five columns as the report lists them: touches, velocity, consistency, snr, noise */
+static void row_columns(const float *st, float occ_ref, double *out, Py_ssize_t stride)
+{
+    out[0] = st[0];
+    out[stride] = st[1];
+    out[2 * stride] = ratio_f(st[2], st[3]);
+    out[3 * stride] = ratio_f(st[5], st[4] - st[5]);
+    out[4 * stride] = ratio_f(st[6], occ_ref);
+}
+
+static PyObject *
+fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    unsigned long long state_p, w_p, inwin_p, counts_p, win_p, z_p, r_p, nf_p, d_p, sample_p, ok_p, pad_p, out_p;
+    Py_ssize_t C, rows, dim, n_win, n_z, n_r, n_nf, n_d, n_sample, n_pad, k, dead_scan;
+    double min_touches;
+    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKKnKnnndK", &state_p, &C, &rows, &dim, &w_p, &inwin_p, &counts_p,
+                          &win_p, &n_win, &z_p, &n_z, &r_p, &n_r, &nf_p, &n_nf, &d_p, &n_d, &sample_p, &ok_p,
+                          &n_sample, &pad_p, &n_pad, &k, &dead_scan, &min_touches, &out_p))
+        return NULL;
+    if (C < 8 || rows < 0 || dim <= 0 || n_win < 0 || n_z < 0 || n_z > k || n_r < 0 || n_r > k || n_nf < 0
+        || n_nf > k || n_d < 0 || n_d > k || n_sample < 0 || n_pad < 0 || k < 0 || out_p == 0) {
+        PyErr_SetString(PyExc_ValueError, "report_rows: bad arguments");
+        return NULL;
+    }
+    const float *state = (const float *)(uintptr_t)state_p, *w = (const float *)(uintptr_t)w_p;
+    uint8_t *inwin = (uint8_t *)(uintptr_t)inwin_p, *ok = (uint8_t *)(uintptr_t)ok_p;
+    const int64_t *counts = (const int64_t *)(uintptr_t)counts_p, *win = (const int64_t *)(uintptr_t)win_p;
+    const int64_t *sample = (const int64_t *)(uintptr_t)sample_p, *pad = (const int64_t *)(uintptr_t)pad_p;
+    int64_t *zl = (int64_t *)(uintptr_t)z_p, *rl = (int64_t *)(uintptr_t)r_p, *nfl = (int64_t *)(uintptr_t)nf_p;
+    int64_t *dl = (int64_t *)(uintptr_t)d_p;
+    double *out = (double *)(uintptr_t)out_p;
+    float *scratch = malloc((size_t)(2 * n_sample + 1) * sizeof(float));
+    ranked_t *heaps = malloc((size_t)(2 * k + 1) * sizeof(ranked_t));
+    int64_t *bad = malloc((size_t)(n_win + n_z + n_r + n_nf + 1) * sizeof(int64_t));
+    if (scratch == NULL || heaps == NULL || bad == NULL) {
+        free(scratch);
+        free(heaps);
+        free(bad);
+        return PyErr_NoMemory();
+    }
+    float touch_median, occ_median;
+    Py_ssize_t nz = 0, nr = 0, nnf = 0, nd = 0, n_bad = 0;
+    Py_BEGIN_ALLOW_THREADS
+    /* the fixed sample: medians of touches (rows updated) and of energy per lookup (eligible rows), the
+     * eligible rows whose consistency is negative, and which rows the collapse statistics read */
+    Py_ssize_t n_t = 0, n_occ = 0, neg = 0;
+    float *touched_v = scratch, *occ_v = scratch + n_sample;
+    for (Py_ssize_t i = 0; i < n_sample; i++) {
+        const float *st = state + sample[i] * C;
+        const float t = st[0];
+        const int b = st[7] > 0, el = t >= min_touches && !b;
+        if (t > 0)
+            touched_v[n_t++] = t;
+        if (el) {
+            occ_v[n_occ++] = st[6];
+            neg += st[2] < 0; /* consistency < 0: its numerator is */
+        }
+        ok[i] = t > 0 && !b;
+    }
+    touch_median = lower_median(touched_v, n_t);
+    occ_median = lower_median(occ_v, n_occ);
+    const float often = touch_median == touch_median ? touch_median : INFINITY;
+    const float occ_ref = occ_median == occ_median ? occ_median : INFINITY;
+
+    /* the candidates, each once (flag 2 in inwin while this report runs): zombies and rarest by heap */
+    ranked_t *zh = heaps, *rh = heaps + k;
+    const int64_t *lists[4] = {win, zl, rl, nfl};
+    const Py_ssize_t sizes[4] = {n_win, n_z, n_r, n_nf};
+    for (int l = 0; l < 4; l++)
+        for (Py_ssize_t i = 0; i < sizes[l]; i++) {
+            const int64_t row = lists[l][i];
+            if (inwin[row] == 2)
+                continue;
+            inwin[row] = 2;
+            const float *st = state + row * C;
+            const float t = st[0];
+            const int b = st[7] > 0;
+            if (b) {
+                bad[n_bad++] = row;
+                continue;
+            }
+            if (t <= 0)
+                continue;
+            heap_offer(rh, &nr, k, (ranked_t){t, row});
+            if (t >= often && t >= min_touches) {
+                const float noise = ratio_f(st[6], occ_ref);
+                const float score = logf(noise > 1e-6f ? noise : 1e-6f) - ratio_f(st[2], st[3]);
+                if (isfinite(score))
+                    heap_offer(zh, &nz, k, (ranked_t){-score, row});
+            }
+        }
+    for (int l = 0; l < 4; l++) /* clear the flags: the window starts empty */
+        for (Py_ssize_t i = 0; i < sizes[l]; i++)
+            inwin[lists[l][i]] = 0;
+    qsort(zh, (size_t)nz, sizeof(ranked_t), ranked_cmp);
+    qsort(rh, (size_t)nr, sizeof(ranked_t), ranked_cmp);
+    qsort(bad, (size_t)n_bad, sizeof(int64_t), id_cmp);
+    nnf = n_bad < k ? n_bad : k;
+
+    /* dead: the previous list, less the rows since updated or gone non-finite, then refilled by a scan of
+     * the ids from where the last one stopped */
+    for (Py_ssize_t i = 0; i < n_d; i++) {
+        const float *st = state + dl[i] * C;
+        if (st[0] == 0 && !(st[7] > 0))
+            dl[nd++] = dl[i];
+    }
+    for (; nd < k && dead_scan < rows; dead_scan++) {
+        const float *st = state + dead_scan * C;
+        int is_pad = 0;
+        for (Py_ssize_t p = 0; p < n_pad; p++)
+            is_pad |= pad[p] == dead_scan;
+        if (st[0] == 0 && !(st[7] > 0) && !is_pad)
+            dl[nd++] = dead_scan;
+    }
+
+    /* out: the scalars, the non-finite ids, the zombies' ids and columns, the rarest's, three slots for the
+     * collapse statistics (the caller's), the dead ids */
+    double untouched_bad = 0, nan_count = 0, inf_count = 0;
+    double *o = out + 9;
+    for (Py_ssize_t i = 0; i < nnf; i++) {
+        const int64_t row = bad[i];
+        nfl[i] = row;
+        *o++ = (double)row;
+        untouched_bad += state[row * C] == 0;
+        const float *x = w + row * dim;
+        for (Py_ssize_t d = 0; d < dim; d++) {
+            nan_count += isnan(x[d]);
+            inf_count += isinf(x[d]);
+        }
+    }
+    for (Py_ssize_t i = 0; i < nz; i++)
+        zl[i] = zh[i].id;
+    for (Py_ssize_t i = 0; i < nr; i++)
+        rl[i] = rh[i].id;
+    const int64_t *ranked_lists[2] = {zl, rl};
+    const Py_ssize_t ranked_n[2] = {nz, nr};
+    for (int l = 0; l < 2; l++) {
+        const Py_ssize_t n = ranked_n[l];
+        for (Py_ssize_t i = 0; i < n; i++) {
+            o[i] = (double)ranked_lists[l][i];
+            row_columns(state + ranked_lists[l][i] * C, occ_ref, o + n + i, n);
+        }
+        o += 6 * n;
+    }
+    o += 3;
+    for (Py_ssize_t i = 0; i < nd; i++)
+        o[i] = (double)dl[i];
+    const double scalars[9] = {(double)counts[0], (double)counts[1], (double)counts[2], (double)neg, (double)n_occ,
+                               touch_median, untouched_bad, nan_count, inf_count};
+    memcpy(out, scalars, sizeof scalars);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    free(heaps);
+    free(bad);
+    return Py_BuildValue("nnnnndd", nz, nr, nnf, nd, dead_scan, (double)touch_median, (double)occ_median);
 }
 
 static PyMethodDef methods[] = {
@@ -504,7 +818,11 @@ static PyMethodDef methods[] = {
      "One tracked step of an embedding table, before the optimizer step (see probes/embeddings.py)."},
     {"track_post", fastats_track_post, METH_VARARGS,
      "One tracked step of an embedding table, after the optimizer step (see probes/embeddings.py): writes\n"
-     "the rows it updated to ``out`` (room for the step's distinct rows) and returns how many."},
+     "the rows it updated that are not flagged in ``inwin`` (one byte a row) to ``out`` (room for the\n"
+     "step's distinct rows), flags them, and returns how many."},
+    {"report_rows", fastats_report_rows, METH_VARARGS,
+     "The lists and counts of an embedding table's report (see probes/embeddings.py, TableState._native_report)\n"
+     "-> (zombies, rarest, non-finite, dead, dead_scan, touch median, energy median)."},
     {"outside", fastats_outside, METH_VARARGS,
      "outside(data_ptr, numel, lo, hi, is_double) -> int\n\n"
      "How many elements of a contiguous buffer are <= lo or >= hi (NaN: neither)."},
@@ -525,7 +843,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 2
+#define FASTATS_VERSION 4
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

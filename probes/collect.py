@@ -138,10 +138,14 @@ class Phases:
         self.step: int | None = None  # the step armed for
         self._calls: dict[str, tuple[Callable, ...]] = {k: () for k in self.KEYS}
         self._handles: list[Any] = []
+        self._due: tuple[Collection, ...] | None = None  # the collections armed for, with self._calls
 
     def arm(self, step: int, collections: list[Collection]) -> None:
         """Before ``step``: the callbacks of the collections due then; the hooks go on when any wants them."""
         self.marks, self.step = {}, step
+        due = tuple(collections)
+        if due == self._due:
+            return  # armed for the same collections since the last step (every step tracked): as it is
         calls: dict[str, list[Callable]] = {k: [] for k in self.KEYS}
         wanted = False
         for c in collections:
@@ -153,7 +157,8 @@ class Phases:
         self._calls = {k: tuple(v) for k, v in calls.items()}
         if not wanted:
             self.disarm()
-        elif not self._handles:
+        self._due = due
+        if wanted and not self._handles:
             if self.model_hooks:
                 self._handles += [self.model.register_forward_pre_hook(self._fwd0),
                                   self.model.register_forward_hook(self._fwd1)]
@@ -166,6 +171,7 @@ class Phases:
             h.remove()
         self._handles = []
         self._calls = {k: () for k in self.KEYS}
+        self._due = None
 
     def _run(self, key: str, args: tuple) -> None:
         for fn in self._calls[key]:

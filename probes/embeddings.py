@@ -172,13 +172,19 @@ class TableState:
         # counters, the rows touched since then, the lists of the previous report, and a fixed random
         # sample of rows for medians and the collapse statistics.
         self.sample = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + 1))[:SAMPLE_ROWS].sort().values.to(dev)
-        # The rows whose statistics changed since the last report (what it re-ranks): unsorted, with repeats
-        # until compacted (see _window_room); the fold appends to it, the native kernel writes into it.
+        # The rows whose statistics changed since the last report (what it re-ranks), each once, unsorted:
+        # a row is appended when its flag in _inwin is set (by the fold, or the native kernel), and a report
+        # clears the flags of the rows it read. At most one entry a row (see _window_room).
         self._win = torch.zeros(0, dtype=torch.long, device=dev)
         self._win_n = 0
+        self._inwin = torch.zeros(rows, dtype=torch.uint8, device=dev)
         empty = torch.zeros(0, dtype=torch.long, device=dev)
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = empty, empty, empty, empty
         self.dead_scan = 0
+        # The native report's lists (zombies, rarest, non-finite, dead: TOP_ROWS each), which the four above
+        # view, and which rows of the sample the collapse statistics read (see _native_report).
+        self._lists: torch.Tensor | None = None
+        self._ok: torch.Tensor | None = None
         self.occ_median = torch.tensor(float("nan"), device=dev)
         self.touch_median = torch.tensor(float("nan"), device=dev)
         # One tracked step's scratch (looked-up indices, then their gradient rows and values), and the
@@ -210,8 +216,8 @@ class TableState:
         # allocated once), so that a tracked step only looks up the rest.
         self._fixed_pre = (self.rows, self.dim, self.k, self.proj.data_ptr() if self.proj is not None else 0,
                            self.padding.data_ptr(), self.padding.numel())
-        self._fixed_post = (self.dim, self.k, self._state.data_ptr(), self.counts.data_ptr(), EMA_ALPHA,
-                            SLOW_ALPHA, MIN_TOUCHES)
+        self._fixed_post = (self.dim, self.k, self._state.data_ptr(), self.counts.data_ptr(), self._inwin.data_ptr(),
+                            EMA_ALPHA, SLOW_ALPHA, MIN_TOUCHES)
 
     def state_bytes(self) -> int:
         return self._state.numel() * self._state.element_size()
@@ -268,16 +274,17 @@ class TableState:
         # of rows no forward hook saw drop (a row gets a gradient only where it was looked up); or, looked
         # up outside the modules' forward (a functional call), its coalesced rows: one lookup per row.
         entries = None
+        if lookups:
+            ids = lookups[0] if len(lookups) == 1 else torch.cat([x.reshape(-1) for x in lookups])
+            if ids.dim() != 1:
+                ids = ids.reshape(-1)
         if grad.is_sparse and lookups:
-            ids = lookups[0] if len(lookups) == 1 else torch.cat(lookups)
             entries = (grad._indices()[0], grad._values().detach())
         elif grad.is_sparse:
             grad = grad.coalesce()
             ids = grad.indices()[0]
             entries = (ids, grad.values().detach())
-        elif lookups:
-            ids = lookups[0] if len(lookups) == 1 else torch.cat(lookups)
-        else:
+        elif not lookups:
             return
         if self.native and not _kernel_reads(w):
             self.native = False  # the table changed dtype, device or layout since attach: the queued path
@@ -516,6 +523,8 @@ class TableState:
                          1.0 - fin.index_select(0, end)[:, None], m.index_select(1, end).t(), prev_row], dim=1)
         self.counts += _counts(new) - _counts(old)
         self._state.index_copy_(0, rows, new)
+        rows = rows[self._inwin.index_select(0, rows) == 0]  # not in the window yet
+        self._inwin.index_fill_(0, rows, 1)
         at = self._window_room(rows.numel())
         self._win[at:at + rows.numel()] = rows
         self._win_n += rows.numel()
@@ -546,13 +555,16 @@ class TableState:
         bad = self.nonfinite if idx is None else self.bad_of(idx)
         return (t >= MIN_TOUCHES) & ~bad
 
-    def refresh_medians(self) -> None:
-        """Median touches and per-lookup energy of the table, from its fixed sample of rows: O(sample)."""
+    def refresh_medians(self) -> torch.Tensor:
+        """Median touches and per-lookup energy of the table, from its fixed sample of rows: O(sample).
+        Returns the sample's statistics, one row per column of the state (a report reads more of them)."""
         nan = torch.tensor(float("nan"), device=self.weight.device)
-        t = self.touches.index_select(0, self.sample).float()
+        ss = self.state[:, :8].index_select(0, self.sample).t()
+        t = ss[0]
         self.touch_median = torch.where(t > 0, t, nan).nanmedian()
-        el = (t >= MIN_TOUCHES) & ~self.bad_of(self.sample)
-        self.occ_median = torch.where(el, self.occ_sq.index_select(0, self.sample), nan).nanmedian()
+        el = (t >= MIN_TOUCHES) & ~(ss[7] > 0)
+        self.occ_median = torch.where(el, ss[6], nan).nanmedian()
+        return ss
 
     def noise_excess(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """The row's gradient energy per lookup over the median of the table's eligible rows: > 1 is a row
@@ -580,15 +592,11 @@ class TableState:
 
     # -- a report --------------------------------------------------------------------------------------
     def _window_room(self, n: int) -> int:
-        """Room for ``n`` more changed rows in the window; where they go. Past twice the table's rows or
-        64 times ``n`` (64 steps, or folds, of this size) its repeats are dropped, so that it stays
-        O(rows + n) however long the report interval; it grows by doubling."""
-        if self._win_n + n > max(2 * self.rows, 64 * n):
-            rows = torch.unique(self._win[:self._win_n])
-            self._win[:rows.numel()] = rows
-            self._win_n = rows.numel()
-        if self._win_n + n > self._win.numel():
-            win = torch.empty(max(self._win_n + n, 2 * self._win.numel(), 1024), dtype=torch.long,
+        """Room for up to ``n`` more changed rows in the window; where they go. The window holds each row
+        once, so it never needs more than the table's rows; it grows by doubling."""
+        cap = self._win.numel()
+        if self._win_n + n > cap and cap < self.rows:
+            win = torch.empty(min(max(self._win_n + n, 2 * cap, 1024), self.rows), dtype=torch.long,
                               device=self._win.device)
             win[:self._win_n] = self._win[:self._win_n]
             self._win = win
@@ -604,68 +612,96 @@ class TableState:
         ``sampled``: snapshot() taken at the report's step (else the rows are read now).
 
         O(rows touched since the last report + TOP_ROWS + SAMPLE_ROWS): the lists are re-ranked over
-        the rows that changed plus the previous lists (a row nobody touched kept its statistics)."""
-        R, dev, w = self.rows, self.weight.device, self.weight.detach()
-        win = torch.unique(self._win[:self._win_n])
+        the rows that changed plus the previous lists (a row nobody touched kept its statistics). Ties
+        go to the lower row id. A natively tracked table is summarised by the kernel (report_rows, the
+        same lists and counts); here each set of rows is gathered once: ~60 operations a table.
+
+        Layout (see _decode): 9 scalars, the non-finite ids, the zombies' ids and five columns, the
+        rarest's, the collapse statistics (3), the dead ids."""
+        if self.native and _kernel_reads(self.weight):
+            return self._native_report(sampled)
+        dev, w, f64 = self.weight.device, self.weight.detach(), torch.float64
+        window = self._win_n
+        win = self._win[:window]  # read before the next tracked step writes the window again
+        self._inwin.index_fill_(0, win, 0)
         self._win_n = 0
-        self.refresh_medians()
-        k = min(TOP_ROWS, R)
+        k = min(TOP_ROWS, self.rows)
         inf = float("inf")
-
-        def ranked(ids: torch.Tensor, key: torch.Tensor, largest: bool) -> torch.Tensor:
-            if ids.numel() == 0:
-                return ids
-            val, pos = torch.topk(key, min(k, ids.numel()), largest=largest)
-            return ids[pos][torch.isfinite(val)]
-
-        cand = torch.unique(torch.cat([win, self.zombie_ids]))
-        key = torch.where(self.often(cand), self.zombie_score(cand), torch.full((cand.numel(),), -inf, device=dev))
-        self.zombie_ids = ranked(cand, key, True)
-        cand = torch.unique(torch.cat([win, self.rare_ids]))
-        t = self.touches.index_select(0, cand).float()
-        ok = (t > 0) & ~self.bad_of(cand)
-        self.rare_ids = ranked(cand, torch.where(ok, t, torch.full_like(t, inf)), False)
-        cand = torch.unique(torch.cat([win, self.nonfinite_ids]))
-        self.nonfinite_ids = cand[self.bad_of(cand)][:k]
-        self._refill_dead(k)
-
-        # On the worker, read a step or two after the report's step: a row gone NaN or inf stays so.
-        bad = w.index_select(0, self.nonfinite_ids)
-        touched_count, nonfinite_count, eligible_count = self.counts.unbind()  # kept as rows change: no O(rows) pass
-        untouched_bad = (self.touches.index_select(0, self.nonfinite_ids) == 0).sum()
-        pad = self.padding.numel()
-        never = R - touched_count - untouched_bad - pad
-        st = self.sample
-        el = (self.touches.index_select(0, st) >= MIN_TOUCHES) & ~self.bad_of(st)
-        neg = (el & (self.consistency_of(st) < 0)).sum().double() / el.sum().clamp_min(1).double()
-        rank, cosine, sampled = self._collapse(sampled)
+        ss = self.refresh_medians()
         occ_ref = self._occ_ref()
 
-        def rows_of(i: torch.Tensor) -> list[torch.Tensor]:
-            # One gather of the rows' state, then consistency_of, snr and noise_excess on it.
-            r = self._state.index_select(0, i)[:, :7].t()
-            cols = torch.stack([r[0], r[1], _ratio(r[2], r[3]), _snr(r[4], r[5]), _ratio(r[6], occ_ref)])
-            return [i.double(), cols.double().reshape(-1)]
+        # Every candidate's statistics in one gather: the rows that changed, and the previous lists.
+        cand = torch.unique(torch.cat([win, self.zombie_ids, self.rare_ids, self.nonfinite_ids]))
+        c = self.state[:, :8].index_select(0, cand).t()
+        t, bad = c[0], c[7] > 0
+        cols = torch.stack([t, c[1], _ratio(c[2], c[3]), _snr(c[4], c[5]), _ratio(c[6], occ_ref)])
 
-        f64 = torch.float64
-        scalars = torch.stack([torch.tensor(float(R), device=dev, dtype=f64), touched_count.to(f64),
-                               torch.tensor(float(win.numel()), device=dev, dtype=f64), never.to(f64),
-                               nonfinite_count.to(f64), self.touch_median.to(f64), eligible_count.to(f64),
-                               (neg * eligible_count.double()).round(),
-                               rank.to(f64), cosine.to(f64), sampled.to(f64),
-                               torch.isnan(bad).sum().to(f64), torch.isinf(bad).sum().to(f64)])
-        parts = [scalars, self.dead_ids.double(), self.nonfinite_ids.double(),
-                 *rows_of(self.zombie_ids), *rows_of(self.rare_ids)]
-        plan = {"dead": self.dead_ids.numel(), "nonfinite": self.nonfinite_ids.numel(),
-                "zombies": self.zombie_ids.numel(), "rarest": self.rare_ids.numel()}
+        def ranked(key: torch.Tensor, largest: bool) -> torch.Tensor:
+            val, pos = torch.sort(key, descending=largest, stable=True)  # cand is sorted: ties by row id
+            return pos[:k][torch.isfinite(val[:k])]
+
+        often = (t > 0) & (t >= torch.nan_to_num(self.touch_median, nan=inf))
+        zombie = often & (t >= MIN_TOUCHES) & ~bad  # see zombie_score
+        zpos = ranked(torch.where(zombie, torch.log(cols[4].clamp_min(1e-6)) - cols[2], -inf), True)
+        rpos = ranked(torch.where((t > 0) & ~bad, t, inf), False)
+        self.zombie_ids, self.rare_ids = cand.index_select(0, zpos), cand.index_select(0, rpos)
+        self.nonfinite_ids = cand[bad][:k]
+        self._refill_dead(k)
+
+        # The fixed sample: the share of eligible rows with negative consistency, and the collapse.
+        el = (ss[0] >= MIN_TOUCHES) & ~(ss[7] > 0)
+        neg = torch.stack([(el & (ss[2] < 0)).sum(), el.sum()])  # consistency < 0: its numerator < 0
+        rank, cosine, sampled = self._collapse(sampled, (ss[0] > 0) & ~(ss[7] > 0))
+        nf = self.nonfinite_ids.numel()
+        if nf:  # on the worker, read a step or two after the report's step: a row gone NaN or inf stays so
+            vals = w.index_select(0, self.nonfinite_ids)
+            bad_stats = torch.stack([(t[bad][:k] == 0).sum(), torch.isnan(vals).sum(), torch.isinf(vals).sum()])
+        else:
+            bad_stats = torch.zeros(3, dtype=torch.long, device=dev)
+        parts = [torch.cat([self.counts, neg]).to(f64), self.touch_median.to(f64)[None], bad_stats.to(f64),
+                 self.nonfinite_ids.to(f64),
+                 self.zombie_ids.to(f64), cols.index_select(1, zpos).to(f64).reshape(-1),
+                 self.rare_ids.to(f64), cols.index_select(1, rpos).to(f64).reshape(-1),
+                 torch.stack([rank, cosine, sampled]).to(f64), self.dead_ids.to(f64)]
+        plan = {"window": window, "dead": self.dead_ids.numel(), "nonfinite": nf,
+                "zombies": zpos.numel(), "rarest": rpos.numel()}
         return torch.cat(parts), plan
+
+    def _native_report(self, sampled: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+        """report() by the kernel: its lists and counts in one call (report_rows, the same ranking), the
+        collapse statistics here. O(SAMPLE_ROWS + candidates x log TOP_ROWS), ~20 operations."""
+        k = min(TOP_ROWS, self.rows)
+        if self._lists is None:  # the lists, kept in place between reports (the kernel reads, then rewrites them)
+            self._lists = torch.empty(4, k, dtype=torch.long)
+            self._ok = torch.empty(self.sample.numel(), dtype=torch.bool)
+            for i, ids in enumerate((self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids)):
+                self._lists[i, :ids.numel()] = ids
+        z, r, nf, dead = self._lists.unbind()
+        window = self._win_n
+        out = torch.empty(12 + 14 * k, dtype=torch.float64)
+        nz, nr, nnf, nd, self.dead_scan, touch_median, occ_median = stats._fastats.report_rows(
+            self._state.data_ptr(), self._state.shape[1], self.rows, self.dim, self.weight.data_ptr(),
+            self._inwin.data_ptr(), self.counts.data_ptr(), self._win.data_ptr(), window,
+            z.data_ptr(), self.zombie_ids.numel(), r.data_ptr(), self.rare_ids.numel(),
+            nf.data_ptr(), self.nonfinite_ids.numel(), dead.data_ptr(), self.dead_ids.numel(),
+            self.sample.data_ptr(), self._ok.data_ptr(), self.sample.numel(), self.padding.data_ptr(),
+            self.padding.numel(), k, self.dead_scan, MIN_TOUCHES, out.data_ptr())
+        self._win_n = 0
+        self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = z[:nz], r[:nr], nf[:nnf], dead[:nd]
+        self.touch_median, self.occ_median = torch.tensor(touch_median), torch.tensor(occ_median)
+        at = 9 + nnf + 6 * (nz + nr)
+        out[at:at + 3] = torch.stack(self._collapse(sampled, self._ok))
+        plan = {"window": window, "dead": nd, "nonfinite": nnf, "zombies": nz, "rarest": nr}
+        return out[:at + 3 + nd], plan
 
     def _refill_dead(self, k: int, chunk: int = 1 << 16) -> None:
         """Lowest-id finite rows never updated. A row once updated never becomes dead again, so the list
         only shrinks and is refilled by one forward scan over the ids: O(rows) once, not per report."""
         dev = self.weight.device
         ids = self.dead_ids
-        ids = ids[(self.touches.index_select(0, ids) == 0) & ~self.bad_of(ids)]
+        d = self.state[:, [0, 7]].index_select(0, ids).t() if ids.numel() else None
+        if d is not None:
+            ids = ids[(d[0] == 0) & ~(d[1] > 0)]
         while ids.numel() < k and self.dead_scan < self.rows:
             lo, hi = self.dead_scan, min(self.dead_scan + chunk, self.rows)
             span = torch.arange(lo, hi, device=dev)
@@ -677,25 +713,22 @@ class TableState:
             self.dead_scan = int(found[-1]) + 1 if ids.numel() >= k and found.numel() else hi
         self.dead_ids = ids
 
-    def _collapse(self, sampled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _collapse(self, sampled: torch.Tensor | None, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Effective rank and mean pairwise cosine of up to COLLAPSE_SAMPLE of the sampled rows (``ok``:
+        which of them were updated and are finite), and how many rows they are over."""
         dev = self.weight.device
         nan = torch.tensor(float("nan"), device=dev)
         if self.dim < 4:
             return nan, nan, torch.zeros((), device=dev)
-        st = self.sample
-        ok = (self.touches.index_select(0, st) > 0) & ~self.bad_of(st)
-        idx = st[ok][:COLLAPSE_SAMPLE]
-        if idx.numel() < 2:
-            return nan, nan, torch.tensor(float(idx.numel()), device=dev)
-        x = (self.weight.detach().index_select(0, idx) if sampled is None else sampled[ok][:COLLAPSE_SAMPLE]).float()
-        x = x[torch.isfinite(x).all(dim=1)]  # a row can go NaN without a touch (dense optimizer state)
-        if x.shape[0] < 2:
-            return nan, nan, torch.tensor(float(x.shape[0]), device=dev)
+        x = (self.weight.detach().index_select(0, self.sample) if sampled is None else sampled)[ok][:COLLAPSE_SAMPLE]
+        x = x[torch.isfinite(x).all(dim=1)].float()  # a row can go NaN without a touch (dense optimizer state)
+        m = x.shape[0]
+        if m < 2:
+            return nan, nan, torch.tensor(float(m), device=dev)
         s = torch.linalg.svdvals(x)
         p = s / s.sum().clamp_min(1e-30)
         rank = torch.exp(-(p * torch.log(p.clamp_min(1e-30))).sum())  # Roy & Vetterli (2007)
         xn = x / x.norm(dim=1, keepdim=True).clamp_min(1e-30)
-        m = x.shape[0]
         cos = ((xn.sum(dim=0).pow(2).sum() - m) / (m * (m - 1)))
         return rank, cos, torch.tensor(float(m), device=dev)
 
@@ -762,18 +795,19 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
     def num(x: float) -> float | None:
         return x if isfinite(x) else None
 
-    at = 13
-    (rows, touched, window, never, nonfinite, median, eligible, negative, rank, cosine, sampled,
-     nan_count, inf_count) = raw[:at]
+    touched, nonfinite, eligible, neg_sample, eligible_sample, median, untouched_bad, nan_count, inf_count = raw[:9]
+    at = 9
 
     def take(n: int) -> list[float]:
         nonlocal at
         at += n
         return raw[at - n:at]
 
-    dead_idx, nf_idx = take(plan["dead"]), take(plan["nonfinite"])
+    nf_idx = take(plan["nonfinite"])
     z = [take(plan["zombies"]) for _ in range(6)]
     r = [take(plan["rarest"]) for _ in range(6)]
+    rank, cosine, sampled = take(3)
+    dead_idx = take(plan["dead"])
 
     def rowlist(cols: list[list[float]]) -> list[dict]:
         return [{"row": int(i), "touches": int(t), "velocity": v if isfinite(v) else None,
@@ -782,11 +816,13 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
                 for i, t, v, c, s, x in zip(*cols)]
 
     summary = {
-        "rows": int(rows), "dim": table.dim, "sparse": table.sparse, "tracked_steps": tracked_steps,
-        "touched_rows": int(touched), "window_touched_rows": int(window), "never_updated": int(never),
+        "rows": table.rows, "dim": table.dim, "sparse": table.sparse, "tracked_steps": tracked_steps,
+        "touched_rows": int(touched), "window_touched_rows": plan["window"],
+        "never_updated": table.rows - int(touched) - int(untouched_bad) - table.padding.numel(),
         "nonfinite_rows": int(nonfinite), "median_touches": num(median), "eligible_rows": int(eligible),
-        "negative_consistency_rows": int(negative), "effective_rank": num(rank), "mean_cosine": num(cosine),
-        "sampled_rows": int(sampled),
+        # estimated from the fixed sample of rows
+        "negative_consistency_rows": round(neg_sample / max(eligible_sample, 1.0) * eligible),
+        "effective_rank": num(rank), "mean_cosine": num(cosine), "sampled_rows": int(sampled),
         "zombies": rowlist(z),
         "rarest": rowlist(r),
         "dead_ids": [int(i) for i in dead_idx],
@@ -983,7 +1019,7 @@ class Embeddings(Collection):
             # Lookups made without autograd (evaluation) teach the table nothing; kept hooks record nothing
             # between collect() and the next arm().
             if self._armed and args and isinstance(args[0], torch.Tensor) and torch.is_grad_enabled():
-                t.lookups.append(args[0].detach().reshape(-1))
+                t.lookups.append(args[0])  # integer ids (no autograd history), flattened in gather()
         return hook
 
     def _pre(self, *_: Any) -> None:
