@@ -298,6 +298,17 @@ static inline float sum8(v8f v)
     return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
+/* How many rows ahead the row loops prefetch: a large table's rows (and their state) are cache misses, which
+ * the loop bodies are too long for the CPU to overlap by itself. */
+#define AHEAD 8
+
+static inline void prefetch_row(const float *p, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i += 16) /* a 64-byte line */
+        __builtin_prefetch(p + i);
+    __builtin_prefetch(p + n - 1);
+}
+
 /* The largest |element| of a row (NaN when it holds a NaN), from the bits: a float's magnitude orders as
  * its bits with the sign cleared, and a NaN's bits are above inf's. An integer max, which the compiler
  * vectorises without the float reduction's epilogue (rows are short: 1 to a few hundred elements). */
@@ -324,6 +335,11 @@ CLONES static void reduce_rows(Py_ssize_t nu, const int64_t *uniq, const float *
                                float *before)
 {
     for (Py_ssize_t s = 0; s < nu; s++) {
+        if (s + AHEAD < nu) { /* rows of a large table are cache misses: several in flight at once */
+            prefetch_row(w + uniq[s + AHEAD] * dim, dim);
+            if (grad != NULL)
+                prefetch_row(grad + uniq[s + AHEAD] * dim, dim);
+        }
         const float *g = grad != NULL ? grad + uniq[s] * dim : acc + s * dim;
         float *out = gsk + s * (k + 1);
         out[0] = max_abs_row(g, dim);
@@ -435,8 +451,16 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
                                      double a_ema, double a_slow_min, double min_touches)
 {
     const Py_ssize_t C = 8 + 2 * k;
+    /* past this many touches every rate is at its floor (1 / (t - 1 / a_ema) < a_slow_min <= a_ema) */
+    const double settled = 1.0 / a_ema + 1.0 / a_slow_min + 2.0;
     Py_ssize_t touched = 0;
     for (Py_ssize_t s = 0; s < nu; s++) {
+        if (s + AHEAD < nu) {
+            const int64_t ahead = uniq[s + AHEAD];
+            prefetch_row(state + ahead * C, C);
+            prefetch_row(w + ahead * dim, dim);
+            __builtin_prefetch(inwin + ahead);
+        }
         const float gmax = gsk[s * (k + 1)];
         if (gmax == 0.0f) /* a looked-up row with an exactly zero gradient did not learn; NaN is a touch */
             continue;
@@ -464,14 +488,17 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
         const double t_old = st[0];
         const int bad_old = st[7] > 0;
         const double t = t_old + fin;
-        const double inv_t = 1.0 / (t > 1.0 ? t : 1.0);
-        const double a_fast = fin ? (inv_t > a_ema ? inv_t : a_ema) : 0.0;
-        const double a_slow = fin ? (inv_t > a_slow_min ? inv_t : a_slow_min) : 0.0;
-        const double inv_p = 1.0 / (t - 2.0 > 1.0 ? t - 2.0 : 1.0);
-        const double a_pair = fin && t >= 3.0 ? (inv_p > a_slow_min ? inv_p : a_slow_min) : 0.0;
-        const double warm = t - 1.0 / a_ema;
-        const double inv_w = 1.0 / (warm > 1.0 ? warm : 1.0);
-        const double a_mean = fin && warm >= 1.0 ? (inv_w > a_slow_min ? inv_w : a_slow_min) : 0.0;
+        double a_fast = a_ema, a_slow = a_slow_min, a_pair = a_slow_min, a_mean = a_slow_min;
+        if (!fin || t <= settled) { /* the running means of a row's first touches (the rates of a settled row above) */
+            const double inv_t = 1.0 / (t > 1.0 ? t : 1.0);
+            a_fast = fin ? (inv_t > a_ema ? inv_t : a_ema) : 0.0;
+            a_slow = fin ? (inv_t > a_slow_min ? inv_t : a_slow_min) : 0.0;
+            const double inv_p = 1.0 / (t - 2.0 > 1.0 ? t - 2.0 : 1.0);
+            a_pair = fin && t >= 3.0 ? (inv_p > a_slow_min ? inv_p : a_slow_min) : 0.0;
+            const double warm = t - 1.0 / a_ema;
+            const double inv_w = 1.0 / (warm > 1.0 ? warm : 1.0);
+            a_mean = fin && warm >= 1.0 ? (inv_w > a_slow_min ? inv_w : a_slow_min) : 0.0;
+        }
         const float *sk = gsk + s * (k + 1) + 1;
         float *m = st + 8, *prev = st + 8 + k;
         double dot = 0.0, in2 = 0.0, pv2 = 0.0, gn2 = 0.0, msq = 0.0;

@@ -176,7 +176,7 @@ class TableState:
         # a row is appended when its flag in _inwin is set (by the fold, or the native kernel), and a report
         # clears the flags of the rows it read. At most one entry a row (see _window_room).
         self._win = torch.zeros(0, dtype=torch.long, device=dev)
-        self._win_n = 0
+        self._win_n = self._win_cap = 0
         self._inwin = torch.zeros(rows, dtype=torch.uint8, device=dev)
         empty = torch.zeros(0, dtype=torch.long, device=dev)
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = empty, empty, empty, empty
@@ -190,7 +190,7 @@ class TableState:
         # One tracked step's scratch (looked-up indices, then their gradient rows and values), and the
         # tracked steps queued for flush(): (ids, gradient rows or sparse entries, rows before, rows after).
         self.lookups: list[torch.Tensor] = []
-        self._cur: tuple | None = None
+        self._cur: tuple | int | None = None
         self.pending: list[tuple] = []
         self.pending_rows = 0
         # On the CPU the copies go into a reused (3, capacity, width) buffer (gradient rows, rows before,
@@ -319,11 +319,11 @@ class TableState:
         if sc is None or sc.cap < n or (sparse and sc.acc is None):
             sc = self._scratch = _Scratch(max(n, 2 * sc.cap if sc is not None else 0), self.k, self.dim, sparse)
         nu = stats._fastats.track_pre(ids.data_ptr(), n, *gpart, self.weight.data_ptr(), *self._fixed_pre, *sc.pre)
-        self._cur = ("native", nu)
+        self._cur = nu  # the step's distinct rows, in the scratch
 
     def _native_post(self, nu: int, with_delta: bool) -> None:
         """track_post: the rows' statistics, once the optimizer moved them; the rows go to the window."""
-        at = self._window_room(nu)
+        at = self._win_n if self._win_n + nu <= self._win_cap else self._window_room(nu)
         self._win_n += stats._fastats.track_post(nu, *self._scratch.post, self.weight.data_ptr(), with_delta,
                                                  self._win.data_ptr() + at * 8, *self._fixed_post)
 
@@ -355,8 +355,8 @@ class TableState:
         cur, self._cur = self._cur, None
         if cur is None:
             return
-        if isinstance(cur[0], str):  # ("native", distinct rows): see _native_pre
-            self._native_post(cur[1], with_delta)
+        if cur.__class__ is int:  # natively tracked: the step's distinct rows (see _native_pre)
+            self._native_post(cur, with_delta)
             return
         ids, g, before, at = cur
         after = self._copy_rows(self.weight.detach(), ids, 2, at)
@@ -372,7 +372,7 @@ class TableState:
         pending, self.pending, self.pending_rows = self.pending, [], 0
         buf, self._buf = self._buf, None
         cur = self._cur
-        if cur is not None and len(cur) == 4 and cur[3] is not None:  # taken mid-step: its copies leave
+        if cur is not None and cur.__class__ is not int and cur[3] is not None:  # taken mid-step: its copies leave
             ids, g, before, _ = cur
             self._cur = (ids, g if isinstance(g, tuple) else g.clone(), before.clone(), None)
         return pending, buf
@@ -599,7 +599,7 @@ class TableState:
             win = torch.empty(min(max(self._win_n + n, 2 * cap, 1024), self.rows), dtype=torch.long,
                               device=self._win.device)
             win[:self._win_n] = self._win[:self._win_n]
-            self._win = win
+            self._win, self._win_cap = win, win.numel()
         return self._win_n
 
     def snapshot(self) -> torch.Tensor | None:
@@ -1042,7 +1042,7 @@ class Embeddings(Collection):
                 t.update(step, with_delta=False)
         worker = self._worker
         reporting = self.reports(step)
-        if not (reporting or any(t.flush_due() for t in self.tables)):
+        if not (reporting or any(t.pending and t.flush_due() for t in self.tables)):
             return []
         # Tables looked up with the same indices sort them once (entries); a report's copies of the
         # weight are taken now, at its step.
