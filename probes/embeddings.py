@@ -41,10 +41,10 @@ On the CPU, a float32 table is tracked by the native kernel (``probes/_fastats.c
 instead: no queue and no fold, each tracked step applies the same recurrences to its rows in the
 optimizer step's hooks (track_pre reduces the looked-up gradient rows to their sketch and copies the
 rows; track_post updates their statistics once the optimizer moved them): O(lookups x width) a step, in
-two calls per table, with O(lookups) scratch; reports run inline. The queue-and-fold path remains for
-CUDA tables (where its kernels run asynchronously), other dtypes, installs without the kernel, and
-tables past the caches (``OFFLOAD_BYTES``) when a core is free for the worker; tests hold both paths
-to the same step-by-step reference.
+two calls per table, with O(lookups) scratch; reports run inline, made by the kernel too (report_rows:
+the same lists and counts as TableState.report's torch operations). The queue-and-fold path remains for
+CUDA tables (where its kernels run asynchronously), other dtypes and installs without the kernel; tests
+hold both paths to the same step-by-step reference and the same reports.
 
 A row counts as touched when the model looked it up *and* its gradient row is non-zero: a whole-table
 L2 penalty in the loss gives every row a gradient, but only rows the model looked up are touched, so
@@ -99,11 +99,6 @@ FLUSH_VALUES = 1 << 21
 # copies stay within (MAX_JOBS + 2) x the FLUSH_VALUES bound above, counting the queue being filled and
 # the spare buffer a fold hands back).
 MAX_JOBS = 2
-# Where a core is free and a table is this large (weight and row state, bytes), the collection takes the
-# queued path and folds on the worker instead of tracking natively on the training thread (see
-# Embeddings): past the caches the kernel's random reads of rows and state cost ~0.8 ms a step on a
-# 1M x 32 table (batch 1024), which the worker overlaps. ML-100k's tables (0.5 MB) stay native.
-OFFLOAD_BYTES = 1 << 24
 # The worker thread ends after this many idle seconds (a probe never closed leaves no thread behind for
 # long); the next fold starts another.
 WORKER_IDLE_S = 30.0
@@ -957,15 +952,11 @@ class Embeddings(Collection):
         self._stepped = False
         self._armed = False
         # Natively tracked tables (see TableState) update their rows in the hooks and report inline: a
-        # report on another thread would read a later step's rows. Where a core is free and a table is too
-        # large for the caches, the queued path gives the shorter step instead: its folds and reports
-        # run on the worker, overlapping the training thread, while the native kernel's random reads of
-        # rows and state would stay on it (a 1M x 32 sparse table, batch 1024: ~1.05-1.2x wall on the
-        # worker, 1.3-1.45x native). On CUDA the fold's kernels already run asynchronously.
+        # report on another thread would read a later step's rows. The worker folds and reports the queued
+        # path's CPU tables (no kernel, other dtypes); on CUDA the fold's kernels already run asynchronously.
+        # (Until the kernel prefetched rows, a large table with a free core took the queued path on the
+        # worker: on a 1M x 32 sparse table, batch 1024, both now measure ~1.16x, native at half the CPU.)
         background = self.background if self.background is not None else _spare_core()
-        if background and any(t.native and t.weight.nbytes + t.state_bytes() >= OFFLOAD_BYTES for t in self.tables):
-            for t in self.tables:
-                t.native = False
         on_cpu = bool(self.tables) and all(t.weight.device.type == "cpu" and not t.native for t in self.tables)
         self._worker = _Worker(lambda e: probe.hook_failed("embeddings worker", e)) if background and on_cpu else None
         for t in self.tables:

@@ -257,7 +257,7 @@ def _run_two_tables(background: bool, steps: int = 45) -> tuple[list, list[torch
     coll = next(c for c in probe.collections if isinstance(c, Embeddings))
     native = all(t.native for t in coll.tables)  # natively tracked tables report inline: no worker
     assert (coll._worker is not None) == (background and not native)
-    assert native == (probes.stats._fastats is not None and not (background and probes.embeddings.OFFLOAD_BYTES == 0))
+    assert native == (probes.stats._fastats is not None)
     gen = torch.Generator().manual_seed(3)
     for step in range(steps):
         ids = torch.randint(0, 25, (16,), generator=gen)
@@ -399,14 +399,13 @@ def test_the_native_report_lists_what_the_torch_report_lists() -> None:
     probe.close()
 
 
-def test_native_tracking_inline_unless_a_large_table_has_a_free_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Float32 CPU tables are tracked by the native kernel and report inline; with a core free for the
-    worker and a table past OFFLOAD_BYTES, the collection folds on the worker instead (it overlaps the
-    training thread), and reports what native tracking reports."""
+def test_native_tracking_and_the_queued_path_on_the_worker_report_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float32 CPU tables are tracked by the native kernel and report inline, with no worker; the queued
+    path (no kernel) folds and reports on the worker where a core is free, and reports the same."""
     if probes.stats._fastats is None:
         pytest.skip("the native kernel is not built")
-    native, native_states = _run_two_tables(True)  # a core free, but small tables: native, no worker
-    monkeypatch.setattr(probes.embeddings, "OFFLOAD_BYTES", 0)  # every table counts as large
+    native, native_states = _run_two_tables(True)  # a core free, but native tables: no worker
+    monkeypatch.setattr(probes.stats, "_fastats", None)
     queued, queued_states = _run_two_tables(True)
     assert [(s, n) for s, n, _ in queued] == [(s, n) for s, n, _ in native]
     for (_, _, a), (_, _, b) in zip(queued, native):
