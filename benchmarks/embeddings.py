@@ -345,9 +345,10 @@ def _attach_embeddings(model, opt, background: bool, report_every: int = 50):
 
 def overhead(d: Data, repeats: int, steps: int, report_every: int = 50) -> None:
     print(f"\n== overhead: step time with the embeddings collection on vs off (tracking every step, a report every "
-          f"{report_every} steps; alternating repeats, medians; 'on': folds and reports on the probe's worker "
-          f"thread, 'inline': on the training thread; float32 CPU tables are tracked by the native kernel "
-          f"({'built' if probes.stats._fastats is not None else 'NOT built: the torch path'}); "
+          f"{report_every} steps; alternating repeats, medians; 'on': the default (the probe's worker thread folds "
+          f"and reports the queued path's tables where a core is free), 'inline': no worker; float32 CPU tables "
+          f"are tracked and reported by the native kernel, inline in both "
+          f"({'built' if probes.stats._fastats is not None else 'NOT built: the torch path, queued'}); "
           f"wall ratio, then process CPU-time ratio, which counts the worker's work) ==")
 
     def setup_ml(on: bool, background: bool = True):

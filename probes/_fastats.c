@@ -7,7 +7,8 @@
  * - copy_sumsq / diff_sumsq: the update ratio's two norms, one while copying the weights before the
  *   optimizer step, one over the difference after it.
  * - outside / alive: a bounded activation's saturated elements, a ReLU output's live units.
- * - track_pre / track_post: one tracked step of an embedding table (see below).
+ * - track_pre / track_post: one tracked step of an embedding table (see below); report_rows: the lists and
+ *   counts of its report.
  *
  * Sums are accumulated in float within blocks of BLOCK elements (split across the SIMD lanes) and the
  * block totals in double: closer to a float64 sum than torch's float32 sum and dot. Every entry point
