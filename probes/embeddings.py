@@ -696,9 +696,9 @@ class TableState:
         only shrinks and is refilled by one forward scan over the ids: O(rows) once, not per report."""
         dev = self.weight.device
         ids = self.dead_ids
-        d = self.state[:, [0, 7]].index_select(0, ids).t() if ids.numel() else None
-        if d is not None:
-            ids = ids[(d[0] == 0) & ~(d[1] > 0)]
+        if ids.numel():
+            d = self.state.index_select(0, ids)
+            ids = ids[(d[:, 0] == 0) & ~(d[:, 7] > 0)]
         while ids.numel() < k and self.dead_scan < self.rows:
             lo, hi = self.dead_scan, min(self.dead_scan + chunk, self.rows)
             span = torch.arange(lo, hi, device=dev)
