@@ -16,7 +16,7 @@ and updates them only for the rows a step touched:
 
 Memory is O(rows): one float32 tensor of 8 + 2k columns per table (eight scalars, the mean gradient and
 the previous innovation), 96 bytes a row whatever the table's width, and never a copy of the table
-(plus a byte a row flagging the rows changed since the last report, and the list of those rows).
+(plus 9 bytes a row: the list of the rows changed since the last report, and a flag saying which).
 Vectors are kept as random projections to k = min(``SKETCH_DIM``, width) dimensions
 (Johnson-Lindenstrauss: inner products and norms are preserved in expectation; exact when the table is
 at most ``SKETCH_DIM`` wide, e.g. bias tables).
@@ -168,19 +168,19 @@ class TableState:
         # counters, the rows touched since then, the lists of the previous report, and a fixed random
         # sample of rows for medians and the collapse statistics.
         self.sample = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + 1))[:SAMPLE_ROWS].sort().values.to(dev)
-        # The rows whose statistics changed since the last report (what it re-ranks), each once, unsorted:
-        # a row is appended when its flag in _inwin is set (by the fold, or the native kernel), and a report
-        # clears the flags of the rows it read. At most one entry a row (see _window_room).
-        self._win = torch.zeros(0, dtype=torch.long, device=dev)
-        self._win_n = self._win_cap = 0
+        # The rows whose statistics changed since the last report (what it re-ranks), each once, unsorted,
+        # in the first _win_n entries: a row is appended when its flag in _inwin is set (by the fold, or the
+        # native kernel), and a report clears the flags of the rows it read. 9 bytes a row.
+        self._win = torch.empty(rows, dtype=torch.long, device=dev)
+        self._win_n = 0
         self._inwin = torch.zeros(rows, dtype=torch.uint8, device=dev)
-        empty = torch.zeros(0, dtype=torch.long, device=dev)
-        self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = empty, empty, empty, empty
+        # The report's lists (zombies, rarest, non-finite, dead: TOP_ROWS each), kept in place: the native
+        # report reads them and rewrites them (see _native_report), the torch one replaces them. And which
+        # rows of the sample the native report's collapse statistics read.
+        self._lists = torch.empty(4, min(TOP_ROWS, rows), dtype=torch.long, device=dev).unbind()
+        self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = (ids[:0] for ids in self._lists)
+        self._ok = torch.empty(self.sample.numel(), dtype=torch.bool, device=dev)
         self.dead_scan = 0
-        # The native report's lists (zombies, rarest, non-finite, dead: TOP_ROWS each), which the four above
-        # view, and which rows of the sample the collapse statistics read (see _native_report).
-        self._lists: torch.Tensor | None = None
-        self._ok: torch.Tensor | None = None
         self.occ_median = torch.tensor(float("nan"), device=dev)
         self.touch_median = torch.tensor(float("nan"), device=dev)
         # One tracked step's scratch (looked-up indices, then their gradient rows and values), and the
@@ -319,9 +319,8 @@ class TableState:
 
     def _native_post(self, nu: int, with_delta: bool) -> None:
         """track_post: the rows' statistics, once the optimizer moved them; the rows go to the window."""
-        at = self._win_n if self._win_n + nu <= self._win_cap else self._window_room(nu)
         self._win_n += stats._fastats.track_post(nu, *self._scratch.post, self.weight.data_ptr(), with_delta,
-                                                 self._win.data_ptr() + at * 8, *self._fixed_post)
+                                                 self._win.data_ptr() + self._win_n * 8, *self._fixed_post)
 
     def _reserve(self, n: int) -> int | None:
         """Where this step's rows go in the queue's buffer; None: fresh tensors."""
@@ -521,8 +520,7 @@ class TableState:
         self._state.index_copy_(0, rows, new)
         rows = rows[self._inwin.index_select(0, rows) == 0]  # not in the window yet
         self._inwin.index_fill_(0, rows, 1)
-        at = self._window_room(rows.numel())
-        self._win[at:at + rows.numel()] = rows
+        self._win[self._win_n:self._win_n + rows.numel()] = rows
         self._win_n += rows.numel()
 
     # -- derived per-row values ------------------------------------------------------------------------
@@ -572,33 +570,13 @@ class TableState:
         """What noise_excess divides by: the median per-lookup energy (inf while there is none)."""
         return torch.nan_to_num(self.occ_median, nan=float("inf"))
 
-    def often(self, idx: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows updated at least as often as the table's median touched row."""
-        t = self.touches if idx is None else self.touches.index_select(0, idx)
-        return (t > 0) & (t.float() >= torch.nan_to_num(self.touch_median, nan=float("inf")))
-
     def zombie_score(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """Higher is more zombie-like: a row whose data pulls it harder than its peers' (log noise
         excess) and whose successive gradients reverse (negative consistency). Rows not eligible score
         -inf. Call refresh_medians() first."""
-        el = self.eligible(idx)
-        cons = self.consistency_of(idx)
-        score = torch.log(self.noise_excess(idx).clamp_min(1e-6)) - cons
-        return torch.where(el, score, torch.full_like(score, float("-inf")))
+        return _zombie_score(self.eligible(idx), self.noise_excess(idx), self.consistency_of(idx))
 
     # -- a report --------------------------------------------------------------------------------------
-    def _window_room(self, n: int) -> int:
-        """Room for up to ``n`` more changed rows in the window; where they go. The window holds each row
-        once, so it never needs more than the table's rows; it grows by doubling."""
-        cap = self._win.numel()
-        if self._win_n + n > cap and cap < self.rows:
-            win = torch.empty(min(max(self._win_n + n, 2 * cap, 1024), self.rows), dtype=torch.long,
-                              device=self._win.device)
-            win[:self._win_n] = self._win[:self._win_n]
-            # at the table's rows the window holds any step's rows (each row once): no more checks
-            self._win, self._win_cap = win, win.numel() if win.numel() < self.rows else 1 << 62
-        return self._win_n
-
     def snapshot(self) -> torch.Tensor | None:
         """The sampled rows' values that a report's collapse statistics read, copied at the report's step
         (the report may run on the worker while the optimizer moves the rows). O(SAMPLE_ROWS x width)."""
@@ -637,9 +615,8 @@ class TableState:
             val, pos = torch.sort(key, descending=largest, stable=True)  # cand is sorted: ties by row id
             return pos[:k][torch.isfinite(val[:k])]
 
-        often = (t > 0) & (t >= torch.nan_to_num(self.touch_median, nan=inf))
-        zombie = often & (t >= MIN_TOUCHES) & ~bad  # see zombie_score
-        zpos = ranked(torch.where(zombie, torch.log(cols[4].clamp_min(1e-6)) - cols[2], -inf), True)
+        often = (t > 0) & (t >= torch.nan_to_num(self.touch_median, nan=inf))  # as the table's median row
+        zpos = ranked(_zombie_score(often & (t >= MIN_TOUCHES) & ~bad, cols[4], cols[2]), True)
         rpos = ranked(torch.where((t > 0) & ~bad, t, inf), False)
         self.zombie_ids, self.rare_ids = cand.index_select(0, zpos), cand.index_select(0, rpos)
         self.nonfinite_ids = cand[bad][:k]
@@ -668,12 +645,7 @@ class TableState:
         """report() by the kernel: its lists and counts in one call (report_rows, the same ranking), the
         collapse statistics here. O(SAMPLE_ROWS + candidates x log TOP_ROWS), ~20 operations."""
         k = min(TOP_ROWS, self.rows)
-        if self._lists is None:  # the lists, kept in place between reports (the kernel reads, then rewrites them)
-            self._lists = torch.empty(4, k, dtype=torch.long)
-            self._ok = torch.empty(self.sample.numel(), dtype=torch.bool)
-            for i, ids in enumerate((self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids)):
-                self._lists[i, :ids.numel()] = ids
-        z, r, nf, dead = self._lists.unbind()
+        z, r, nf, dead = self._lists  # the four lists view these (the torch report never ran here)
         window = self._win_n
         out = torch.empty(12 + 14 * k, dtype=torch.float64)
         nz, nr, nnf, nd, self.dead_scan, touch_median, occ_median = stats._fastats.report_rows(
@@ -737,6 +709,12 @@ def _counts(state_rows: torch.Tensor) -> torch.Tensor:
     """How many of these rows were updated at least once, are non-finite, are eligible."""
     t, bad = state_rows[:, 0], state_rows[:, 7] > 0
     return torch.stack([(t > 0).sum(), bad.sum(), ((t >= MIN_TOUCHES) & ~bad).sum()])
+
+
+def _zombie_score(eligible: torch.Tensor, noise: torch.Tensor, consistency: torch.Tensor) -> torch.Tensor:
+    """log(noise excess) - consistency where ``eligible``, else -inf (TableState.zombie_score)."""
+    score = torch.log(noise.clamp_min(1e-6)) - consistency
+    return torch.where(eligible, score, torch.full_like(score, float("-inf")))
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
