@@ -117,6 +117,18 @@ def _as_float(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def _held(loss: Any) -> Any:
+    """What the probe keeps of a step's loss until the next report. A CPU scalar is read now, as a float:
+    on the CPU that is no host sync, and a float holds no tensor. Thousands of small tensors held between
+    reports fragment the allocator's heap, so that the step's own large temporaries fault in fresh pages:
+    ~4 page faults a step and +120 us on a 1.5 ms ML-100k step (docs/overhead.md). Any other loss (on a
+    device, or per sample) is detached and read with the others at the report: one host sync."""
+    if isinstance(loss, torch.Tensor):
+        # item() needs no detach (it copies the value out), and costs half of detach() inside a step
+        return loss.item() if loss.is_cpu and loss.dim() == 0 else loss.detach()
+    return loss
+
+
 class Probe:
     def __init__(
         self,
@@ -211,7 +223,11 @@ class Probe:
         self._closed = False
         self._errors = 0
         self._logged: set[str] = set()
-        self._losses: list[tuple[int, Any]] = []
+        # The losses since the last report: their steps, and the values (probe._held). Two flat lists, so
+        # that a step adds no object the garbage collector tracks (a tuple a step, held until the report,
+        # made the collector's full passes over a large process come far more often).
+        self._loss_steps: list[int] = []
+        self._losses: list[Any] = []
         self._user_scalars: list[tuple[int, dict]] = []
         self._in_flight: list[HostCopy] = []
         self.pending_scalars: dict[str, float] = {}
@@ -274,14 +290,15 @@ class Probe:
                 if dt > self.step_time_max:
                     self.step_time_max = dt
             if loss is not None:
-                self._losses.append((step, loss.detach() if isinstance(loss, torch.Tensor) else loss))
+                self._loss_steps.append(step)
+                self._losses.append(_held(loss))
             if scalars:
                 self._user_scalars.append((step, scalars))
             self.step_called = now
             if self._amp is not None:
                 self._amp.observe(step)
             if self._rollback is not None and self._rollback.due(step):
-                self._rollback.keep(step, loss, [v for _, v in self._losses])
+                self._rollback.keep(step, loss, self._losses)
             if self._deferred:
                 self._finish_deferred(step)
             sampled = self._due
@@ -521,7 +538,8 @@ class Probe:
 
     def _flush_scalars(self, sampled_step: int | None = None) -> None:
         """Send buffered losses and scalars. One host sync for all the loss tensors of the interval."""
-        losses, self._losses = self._losses, []
+        losses, self._losses = list(zip(self._loss_steps, self._losses)), []
+        self._loss_steps = []
         user, self._user_scalars = self._user_scalars, []
         by_step: dict[int, dict[str, float | None]] = {}
         tensors = [(s, v) for s, v in losses if isinstance(v, torch.Tensor)]

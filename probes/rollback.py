@@ -115,8 +115,13 @@ class RollbackBuffer:
             self.refused += 1
             return False
         if isinstance(loss, torch.Tensor):
-            tensors = [v.detach().float().mean() for v in (recent or []) if isinstance(v, torch.Tensor)]
-            loss_value = float(torch.stack(tensors).mean()) if tensors else float(loss.detach().float().mean())
+            # The probe keeps a CPU scalar loss as a float, any other as a tensor (probe._held).
+            recent = recent or []
+            tensors = [v.detach().float().mean() for v in recent if isinstance(v, torch.Tensor)]
+            values = [float(v) for v in recent if not isinstance(v, torch.Tensor)]
+            if tensors:
+                values += torch.stack(tensors).tolist()
+            loss_value = math.fsum(values) / len(values) if values else float(loss.detach().float().mean())
             if not math.isfinite(loss_value):
                 self.refused += 1
                 return False

@@ -89,6 +89,22 @@ def test_every_form_of_loss_is_reported_as_its_value():
     assert got == {0: 1.5, 1: 2.25, 2: 3.0, 3: 0.75, 4: None, 5: 4.0}
 
 
+def test_a_loss_is_the_value_it_had_at_its_step_and_the_probe_keeps_no_cpu_loss_tensor():
+    """A CPU loss is read at its step (no host sync on the CPU): a loop that reuses the tensor in place
+    does not change what was reported, and between reports the probe holds numbers, not tensors (held
+    tensors fragment the heap under the step's large temporaries; docs/overhead.md)."""
+    model, opt = _mlp()
+    sink = MemorySink()
+    loss = torch.zeros((), requires_grad=False)
+    with probes.attach(model, opt, run="held", sink=sink, interval=10) as probe:
+        for i in range(4):
+            loss.fill_(float(i) + 0.5)  # the same tensor every step, as a loop with a preallocated loss
+            probe.step(loss=loss)
+        assert not any(isinstance(v, torch.Tensor) for v in probe._losses)
+    got = {e["step"]: e["values"]["loss"] for e in sink.events if e["kind"] == "scalars" and "loss" in e["values"]}
+    assert got == {0: 0.5, 1: 1.5, 2: 2.5, 3: 3.5}
+
+
 def test_unsampled_steps_register_no_hooks():
     model, opt = _mlp()
     with probes.attach(model, opt, run="hooks", sink=MemorySink(), interval=100) as probe:
