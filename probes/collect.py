@@ -102,6 +102,18 @@ class Collection:
         """Whether a due step also sends (a collection may track on more steps than it reports)."""
         return True
 
+    def quiet(self, step: int) -> int:
+        """The first step >= ``step`` at which this collection, due at ``step``, does more than track: until
+        then it is due at every step, and its hooks do all its work (tick() ends each step). ``step``: none."""
+        return step
+
+    def tick(self, step: int) -> bool:
+        """The end of a quiet step (see quiet()): collect(step), which sends nothing, and arm(step + 1).
+        False when the collection is no longer quiet at ``step + 1`` (its schedule changed since)."""
+        self.collect(step)
+        self.arm(step + 1)
+        return self.quiet(step + 1) > step + 1
+
     def phase_hooks(self) -> dict[str, Callable] | None:
         """What this collection runs at the step's phase boundaries (see ``Phases``), by boundary: None
         when it needs none of them, ``{}`` when it only reads their times."""

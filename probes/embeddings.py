@@ -931,6 +931,7 @@ class Embeddings(Collection):
                      "fully_shard to track it)") if left_out else None
         self.tables = [TableState(n, w, mods, seed=i) for i, (n, w, mods) in enumerate(found) if n not in left_out]
         self._handles: list[Any] = []
+        self._queues: list[TableState] = []  # the queued path's tables (see quiet())
         self._step = 0
         self._stepped = False
         self._armed = False
@@ -955,6 +956,22 @@ class Embeddings(Collection):
 
     def reports(self, step: int) -> bool:
         return step % self.interval == 0
+
+    def quiet(self, step: int) -> int:
+        # Tracked every step, up to the next report. (A table that leaves the kernel after this, its weight
+        # replaced, has its queue folded at the next report: at most one interval of steps.)
+        if self.track_every != 1 or not self.tables:
+            return step
+        self._queues = [t for t in self.tables if not t.native]
+        return -(-step // self.interval) * self.interval
+
+    def tick(self, step: int) -> bool:
+        # collect() where it has work (no optimizer step, a queue at its bound): it reports nothing here
+        if not self._stepped or any(t.pending and t.flush_due() for t in self._queues):
+            self.collect(step)
+        self._armed = False
+        self.arm(step + 1)
+        return self.track_every == 1
 
     def table(self, name: str) -> TableState | None:
         for t in self.tables:

@@ -243,6 +243,7 @@ class Probe:
         self._capture: Capture | None = None
         self._seen_captures: set[str] = set()
         self._next_due = 0
+        self._quiet_until = 0  # see _arm
         self._hook_errors: deque[tuple[str, Exception]] = deque(maxlen=MAX_ERRORS)  # raised in hooks; see hook_failed
         self.phases = Phases(model, optimizer, self.hook_failed)  # the step-boundary hooks the due collections share
         self._send_run_start()
@@ -302,7 +303,18 @@ class Probe:
             if self._deferred:
                 self._finish_deferred(step)
             sampled = self._due
-            if sampled:
+            # A quiet step: every collection due only tracks (its hooks did the step's work) and so does the
+            # next step, with the same hooks; each closes this step and opens the next in one call.
+            quiet = sampled and step + 1 < self._quiet_until
+            if quiet:
+                for c in sampled:
+                    if not c.tick(step):  # its schedule changed: arm the next step as usual
+                        self._quiet_until = 0
+                if self._hook_errors:
+                    self._report_hook_errors()
+                if self._in_flight or len(self._losses) >= MAX_BUFFERED_LOSSES:
+                    self._between_reports()
+            elif sampled:
                 if self._capture is not None:
                     self._capture.pause(True)
                 self._sample(step)
@@ -319,10 +331,11 @@ class Probe:
             if self._inbox:
                 self._apply_commands(step)
             self._step = step + 1
-            if step + 1 >= self._next_due:
-                self._arm(step + 1)
-            if sampled:
-                self._release(sampled)
+            if not (quiet and step + 1 < self._quiet_until):  # (a command may have ended the quiet steps)
+                if step + 1 >= self._next_due:
+                    self._arm(step + 1)
+                if sampled:
+                    self._release(sampled)
         except Exception as e:  # noqa: BLE001 - the training job comes first
             self._degrade("step", e)
             self._step = step + 1
@@ -446,6 +459,7 @@ class Probe:
             if c.name not in self._fixed_interval:
                 c.interval = interval
         self._next_due = min((c.next_due(self._step + 1) for c in self.collections), default=2**62)
+        self._quiet_until = 0
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Send everything measured so far; True when it reached the server."""
@@ -495,12 +509,21 @@ class Probe:
         """Arm the collections due at ``step``; note the next step any collection is due, so the steps
         in between cost one comparison. A capture records everything, every step."""
         capturing = self._capture is not None
-        self._due = [c for c in self.collections if capturing or c.due(step)]
+        self._due = due = [c for c in self.collections if capturing or c.due(step)]
         self._next_due = step + 1 if capturing else min((c.next_due(step + 1) for c in self.collections),
                                                         default=2**62)
-        for c in self._due:
+        # The quiet steps from here (see _step_once): up to the first step at which a collection due now
+        # does more than track, or another one is due.
+        quiet = step
+        if due and not capturing:
+            quiet = min(c.quiet(step) for c in due)
+            if quiet > step:
+                quiet = min(quiet, min((c.next_due(step + 1) for c in self.collections if c not in due),
+                                       default=2**62))
+        self._quiet_until = quiet
+        for c in due:
             c.arm(step)
-        self.phases.arm(step, self._due)
+        self.phases.arm(step, due)
 
     def _release(self, sampled: list[Collection]) -> None:
         """Take the hooks off the collections just sampled, but for those armed again for the next step:
@@ -734,7 +757,7 @@ class Probe:
             return
         steps = max(1, min(int(cmd.get("steps") or 1), 100))
         self._capture = Capture(self, capture_id, steps, bool(cmd.get("profile", True)), step + 1)
-        self._next_due = 0  # arm every collection from the next step on
+        self._next_due = self._quiet_until = 0  # arm every collection from the next step on
         log.warning("traindx: capture %s: recording everything for steps %d-%d", capture_id, step + 1, step + steps)
 
     def _suspend(self) -> None:
@@ -827,6 +850,7 @@ class Probe:
             self.collections = []
             self._due = []
             self._next_due = 2**62
+            self._quiet_until = 0
 
 
 class _ModeSwitch:

@@ -233,6 +233,29 @@ def test_hooks_stay_on_while_every_step_is_tracked_and_come_off_otherwise() -> N
     assert hooks() == (0, 0, 0)
 
 
+def test_steps_that_only_track_send_nothing_and_reports_and_other_collections_keep_their_steps() -> None:
+    """Between two reports every step is tracked and nothing else happens (the probe's quiet steps): the
+    reports, another collection's samples and the losses still come at their steps, each step counts once,
+    and a capture asked for in the middle records its steps."""
+    model = Toy(rows=12, dim=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sink = probes.MemorySink()
+    probe = probes.attach(model, opt, sink=sink, run="quiet", collections={"embeddings": 5, "weights": 7})
+    ids = torch.arange(8)
+    train(model, probe, 12, ids=ids, opt=opt)
+    assert probe._quiet_until > probe.step_count  # steps 12 and 13 are quiet: neither reports nor samples
+    probe._inbox.append({"op": "capture", "capture_id": "cap-1", "steps": 2})  # as the sender hands it over
+    train(model, probe, 9, ids=ids, opt=opt)
+    probe.close()
+    events = sink.events
+    steps = {c: sorted({e["step"] for e in events if e["kind"] == "tensor_stats" and e["collection"] == c})
+             for c in ("embeddings", "weights")}
+    assert steps["embeddings"] == [0, 5, 10, 15, 20]
+    assert steps["weights"] == [0, 7, 13, 14]  # and 13, 14: the capture, asked for at step 12
+    assert sorted(s for e in events if e["kind"] == "scalars" for s in [e["step"]] if "loss" in e["values"]) == list(range(21))
+    assert int(table_state(probe).touches[0]) == 21  # every step tracked once
+
+
 def _two_tables() -> torch.nn.Module:
     class TwoTables(torch.nn.Module):  # a user table and its bias table, looked up with the same ids
         def __init__(self) -> None:
