@@ -448,8 +448,8 @@ fastats_track_pre(PyObject *Py_UNUSED(self), PyObject *args)
  * energy per lookup, non-finite flag, mean gradient (k), previous innovation (k) */
 CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const float *cnt, const float *gsk,
                                      const float *before, const float *w, Py_ssize_t dim, Py_ssize_t k,
-                                     int with_delta, float *state, int64_t *counts, int64_t *out, uint8_t *inwin,
-                                     double a_ema, double a_slow_min, double min_touches)
+                                     int with_delta, float *state, int64_t *counts, int64_t *out, Py_ssize_t room,
+                                     uint8_t *inwin, double a_ema, double a_slow_min, double min_touches)
 {
     const Py_ssize_t C = 8 + 2 * k;
     /* past this many touches every rate is at its floor (1 / (t - 1 / a_ema) < a_slow_min <= a_ema) */
@@ -466,7 +466,8 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
         if (gmax == 0.0f) /* a looked-up row with an exactly zero gradient did not learn; NaN is a touch */
             continue;
         const int64_t row = uniq[s];
-        if (!inwin[row]) { /* the rows whose statistics changed since the last report (its window), once each */
+        if (!inwin[row] && touched < room) { /* the rows whose statistics changed since the last report (its
+                                               * window), once each: never more than the table's rows */
             inwin[row] = 1;
             out[touched++] = row;
         }
@@ -554,12 +555,12 @@ static PyObject *
 fastats_track_post(PyObject *Py_UNUSED(self), PyObject *args)
 {
     unsigned long long uniq_p, cnt_p, gsk_p, before_p, w_p, state_p, counts_p, out_p, inwin_p;
-    Py_ssize_t nu, dim, k;
+    Py_ssize_t nu, dim, k, room;
     int with_delta;
     double a_ema, a_slow_min, min_touches;
     /* what changes every step, then the table's fixed arguments */
-    if (!PyArg_ParseTuple(args, "nKKKKKpKnnKKKddd", &nu, &uniq_p, &cnt_p, &gsk_p, &before_p, &w_p, &with_delta,
-                          &out_p, &dim, &k, &state_p, &counts_p, &inwin_p, &a_ema, &a_slow_min, &min_touches))
+    if (!PyArg_ParseTuple(args, "nKKKKKpKnnnKKKddd", &nu, &uniq_p, &cnt_p, &gsk_p, &before_p, &w_p, &with_delta,
+                          &out_p, &room, &dim, &k, &state_p, &counts_p, &inwin_p, &a_ema, &a_slow_min, &min_touches))
         return NULL;
     if (nu < 0 || dim <= 0 || k <= 0 || k > 64 || out_p == 0 || inwin_p == 0) {
         PyErr_SetString(PyExc_ValueError, "track_post: bad arguments");
@@ -572,7 +573,7 @@ fastats_track_post(PyObject *Py_UNUSED(self), PyObject *args)
     float *state = (float *)(uintptr_t)state_p;
     Py_ssize_t touched;
     Py_BEGIN_ALLOW_THREADS
-    touched = update_rows(nu, uniq, cnt, gsk, before, w, dim, k, with_delta, state, counts, out,
+    touched = update_rows(nu, uniq, cnt, gsk, before, w, dim, k, with_delta, state, counts, out, room,
                           (uint8_t *)(uintptr_t)inwin_p, a_ema, a_slow_min, min_touches);
     Py_END_ALLOW_THREADS
     return PyLong_FromSsize_t(touched);
@@ -871,7 +872,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 4
+#define FASTATS_VERSION 5
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

@@ -207,7 +207,14 @@ class TableState:
         # updates its rows' statistics in the optimizer step's hooks (track_pre / track_post), the same
         # recurrences as _fold, one step at a time, with O(lookups) scratch.
         self.native = _kernel_reads(weight)
+        self.shape = weight.shape
         self._scratch: _Scratch | None = None
+        # The kernel's pointers: the weight's (checked every step), the window's, and those of the scratch
+        # as track_pre and track_post take them (set at the first tracked step and when the scratch grows).
+        self._wp = weight.data_ptr() if self.native else 0
+        self._win_p = self._win.data_ptr()
+        self._tail: tuple | None = None
+        self._post_head: tuple = ()
         # The kernel's arguments that never change (the state, counters, projection and padding rows are
         # allocated once), so that a tracked step only looks up the rest.
         self._fixed_pre = (self.rows, self.dim, self.k, self.proj.data_ptr() if self.proj is not None else 0,
@@ -262,31 +269,38 @@ class TableState:
         lookups, self.lookups = self.lookups, []
         if grad is None:
             return
-        if grad.shape != w.shape:
-            raise ValueError(f"{self.name}: a gradient of shape {tuple(grad.shape)} for a table of {tuple(w.shape)}")
-        if grad.is_sparse and grad.sparse_dim() != 1:  # not an embedding's (row, width) layout: read it dense
-            grad = grad.to_dense()
+        # torch keeps a gradient at its parameter's shape; this also catches a weight swapped for one of
+        # another shape (``weight.data = ...``) since attach, which the kernel would read out of bounds
+        if grad.shape != self.shape:
+            raise ValueError(f"{self.name}: a gradient of shape {tuple(grad.shape)} for a table of {tuple(self.shape)}")
+        if self.native and w.data_ptr() != self._wp:  # the table was replaced or moved (model.to(), .data = ...)
+            self.native = _kernel_reads(w)  # else another dtype, device or layout: the queued path from now
+            self._wp, self._tail = w.data_ptr(), None
+        sparse = grad.is_sparse
+        if self.native and len(lookups) == 1 and not sparse:  # the usual step, in as few torch calls as can be
+            self._native_pre(lookups[0], grad, None)
+            return
+        if sparse and grad.sparse_dim() != 1:  # not an embedding's (row, width) layout: read it dense
+            grad, sparse = grad.to_dense(), False
         # A sparse gradient: its uncoalesced (row, values) entries, where duplicates add up and the entries
         # of rows no forward hook saw drop (a row gets a gradient only where it was looked up); or, looked
         # up outside the modules' forward (a functional call), its coalesced rows: one lookup per row.
         entries = None
         if lookups:
             ids = lookups[0] if len(lookups) == 1 else torch.cat([x.reshape(-1) for x in lookups])
-            if ids.dim() != 1:
-                ids = ids.reshape(-1)
-        if grad.is_sparse and lookups:
+        if sparse and lookups:
             entries = (grad._indices()[0], grad._values().detach())
-        elif grad.is_sparse:
+        elif sparse:
             grad = grad.coalesce()
             ids = grad.indices()[0]
             entries = (ids, grad.values().detach())
         elif not lookups:
             return
-        if self.native and not _kernel_reads(w):
-            self.native = False  # the table changed dtype, device or layout since attach: the queued path
         if self.native:
             self._native_pre(ids, grad, entries)
             return
+        if ids.dim() != 1:
+            ids = ids.reshape(-1)
         if entries is None:
             g = None
         elif lookups:  # copied: the optimizer may not leave them be
@@ -299,7 +313,8 @@ class TableState:
         self._cur = (ids, g, self._copy_rows(w.detach(), ids, 1, at), at)
 
     def _native_pre(self, ids: torch.Tensor, grad: torch.Tensor, entries: tuple | None) -> None:
-        """track_pre over this step's lookups (``entries``: a sparse gradient's, see gather())."""
+        """track_pre over this step's lookups (``entries``: a sparse gradient's, see gather()). The kernel's
+        pointers that last from step to step are kept (_tail), and checked again when the weight moved."""
         if ids.dtype is not torch.int64 or not ids.is_contiguous():
             ids = ids.long().contiguous()
         n = ids.numel()
@@ -311,16 +326,20 @@ class TableState:
             if grad.dtype is not torch.float32 or not grad.is_contiguous():
                 grad = grad.float().contiguous()
             gpart = (grad.data_ptr(), 0, 0, 0)
-        sc = self._scratch
+        sc, tail = self._scratch, self._tail
         if sc is None or sc.cap < n or (sparse and sc.acc is None):
             sc = self._scratch = _Scratch(max(n, 2 * sc.cap if sc is not None else 0), self.k, self.dim, sparse)
-        nu = stats._fastats.track_pre(ids.data_ptr(), n, *gpart, self.weight.data_ptr(), *self._fixed_pre, *sc.pre)
-        self._cur = nu  # the step's distinct rows, in the scratch
+            tail = None
+        if tail is None:
+            tail = self._tail = (self._wp, *self._fixed_pre, *sc.pre)
+            self._post_head = (*sc.post, self._wp)
+        self._cur = stats._fastats.track_pre(ids.data_ptr(), n, *gpart, *tail)  # the step's distinct rows
 
     def _native_post(self, nu: int, with_delta: bool) -> None:
         """track_post: the rows' statistics, once the optimizer moved them; the rows go to the window."""
-        self._win_n += stats._fastats.track_post(nu, *self._scratch.post, self.weight.data_ptr(), with_delta,
-                                                 self._win.data_ptr() + self._win_n * 8, *self._fixed_post)
+        n = self._win_n
+        self._win_n = n + stats._fastats.track_post(nu, *self._post_head, with_delta, self._win_p + n * 8,
+                                                    self.rows - n, *self._fixed_post)
 
     def _reserve(self, n: int) -> int | None:
         """Where this step's rows go in the queue's buffer; None: fresh tensors."""
@@ -982,7 +1001,8 @@ class Embeddings(Collection):
     def arm(self, step: int) -> None:
         self._step, self._stepped, self._armed = step, False, True
         for t in self.tables:
-            t.lookups = []
+            if t.lookups:  # lookups no optimizer step took (gather() empties the list)
+                t.lookups = []
         opt = self.probe.optimizer
         # With every step tracked the hooks stay on between steps (the probe calls disarm() only after a
         # tracked step that the next one does not follow): registering and removing six hooks every step
@@ -996,7 +1016,7 @@ class Embeddings(Collection):
         p = self.probe
         for t in self.tables:
             for m in t.modules:
-                self._handles.append(m.register_forward_hook(guarded(p, "embeddings hook", self._on_lookup(t))))
+                self._handles.append(m.register_forward_hook(self._on_lookup(t)))
         if opt is not None:
             self._handles += [opt.register_step_pre_hook(guarded(p, "embeddings hook", self._pre)),
                               opt.register_step_post_hook(guarded(p, "embeddings hook", self._post))]
@@ -1006,11 +1026,17 @@ class Embeddings(Collection):
         return next(reversed(hooks), None)
 
     def _on_lookup(self, t: TableState) -> Any:
+        grad_enabled, tensor = torch.is_grad_enabled, torch.Tensor
+
         def hook(module: torch.nn.Module, args: tuple, out: Any) -> None:
             # Lookups made without autograd (evaluation) teach the table nothing; kept hooks record nothing
-            # between collect() and the next arm().
-            if self._armed and args and isinstance(args[0], torch.Tensor) and torch.is_grad_enabled():
-                t.lookups.append(args[0])  # integer ids (no autograd history), flattened in gather()
+            # between collect() and the next arm(). Guarded in place (as guarded() does): one frame less in
+            # every lookup of the training step.
+            try:
+                if self._armed and args and isinstance(args[0], tensor) and grad_enabled():
+                    t.lookups.append(args[0])  # integer ids (no autograd history), flattened in gather()
+            except Exception as e:  # noqa: BLE001 - inside the job's forward
+                self.probe.hook_failed("embeddings hook", e)
         return hook
 
     def _pre(self, *_: Any) -> None:
