@@ -7,8 +7,8 @@
  * - copy_sumsq / diff_sumsq: the update ratio's two norms, one while copying the weights before the
  *   optimizer step, one over the difference after it.
  * - outside / alive: a bounded activation's saturated elements, a ReLU output's live units.
- * - track_pre / track_post: one tracked step of an embedding table (see below); report_rows: the lists and
- *   counts of its report.
+ * - track_pre / track_post: one tracked step of an embedding table (see below); report_rows: the lists,
+ *   counts and collapse statistics of its report.
  *
  * Sums are accumulated in float within blocks of BLOCK elements (split across the SIMD lanes) and the
  * block totals in double: closer to a float64 sum than torch's float32 sum and dot. Every entry point
@@ -583,8 +583,8 @@ fastats_track_post(PyObject *Py_UNUSED(self), PyObject *args)
  *
  * The same summary as TableState.report's torch operations (which stay for CUDA tables, other dtypes and
  * installs without this kernel), computed in two passes over the rows that matter: the fixed sample of
- * rows (medians, the share of eligible rows whose updates reverse, which rows the collapse statistics
- * read) and the candidates (the rows changed since the last report and the previous lists), ranked with
+ * rows (medians, the share of eligible rows whose updates reverse, the collapse statistics' rows: copied
+ * out as float64 for the caller's eigendecomposition, and their mean pairwise cosine) and the candidates (the rows changed since the last report and the previous lists), ranked with
  * a bounded heap. O(sample + candidates x log TOP_ROWS); the torch path's ~100 small operations a table
  * cost more than the arithmetic on the CPU.
  *
@@ -688,15 +688,16 @@ static void row_columns(const float *st, float occ_ref, double *out, Py_ssize_t 
 static PyObject *
 fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
 {
-    unsigned long long state_p, w_p, inwin_p, counts_p, win_p, z_p, r_p, nf_p, d_p, sample_p, ok_p, pad_p, out_p;
-    Py_ssize_t C, rows, dim, n_win, n_z, n_r, n_nf, n_d, n_sample, n_pad, k, dead_scan;
+    unsigned long long state_p, w_p, inwin_p, counts_p, win_p, z_p, r_p, nf_p, d_p, sample_p, ok_p, pad_p, out_p, x_p;
+    Py_ssize_t C, rows, dim, n_win, n_z, n_r, n_nf, n_d, n_sample, n_pad, k, dead_scan, n_x;
     double min_touches;
-    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKKnKnnndK", &state_p, &C, &rows, &dim, &w_p, &inwin_p, &counts_p,
+    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKKnKnnndKKn", &state_p, &C, &rows, &dim, &w_p, &inwin_p, &counts_p,
                           &win_p, &n_win, &z_p, &n_z, &r_p, &n_r, &nf_p, &n_nf, &d_p, &n_d, &sample_p, &ok_p,
-                          &n_sample, &pad_p, &n_pad, &k, &dead_scan, &min_touches, &out_p))
+                          &n_sample, &pad_p, &n_pad, &k, &dead_scan, &min_touches, &out_p, &x_p, &n_x))
         return NULL;
     if (C < 8 || rows < 0 || dim <= 0 || n_win < 0 || n_z < 0 || n_z > k || n_r < 0 || n_r > k || n_nf < 0
-        || n_nf > k || n_d < 0 || n_d > k || n_sample < 0 || n_pad < 0 || k < 0 || out_p == 0) {
+        || n_nf > k || n_d < 0 || n_d > k || n_sample < 0 || n_pad < 0 || k < 0 || out_p == 0 || n_x < 0
+        || (x_p == 0 && n_x > 0)) {
         PyErr_SetString(PyExc_ValueError, "report_rows: bad arguments");
         return NULL;
     }
@@ -707,17 +708,20 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     int64_t *zl = (int64_t *)(uintptr_t)z_p, *rl = (int64_t *)(uintptr_t)r_p, *nfl = (int64_t *)(uintptr_t)nf_p;
     int64_t *dl = (int64_t *)(uintptr_t)d_p;
     double *out = (double *)(uintptr_t)out_p;
+    double *x = (double *)(uintptr_t)x_p, *xsum = calloc((size_t)dim, sizeof(double));
     float *scratch = malloc((size_t)(2 * n_sample + 1) * sizeof(float));
     ranked_t *heaps = malloc((size_t)(2 * k + 1) * sizeof(ranked_t));
     int64_t *bad = malloc((size_t)(n_win + n_z + n_r + n_nf + 1) * sizeof(int64_t));
-    if (scratch == NULL || heaps == NULL || bad == NULL) {
+    if (scratch == NULL || heaps == NULL || bad == NULL || xsum == NULL) {
+        free(xsum);
         free(scratch);
         free(heaps);
         free(bad);
         return PyErr_NoMemory();
     }
     float touch_median, occ_median;
-    Py_ssize_t nz = 0, nr = 0, nnf = 0, nd = 0, n_bad = 0;
+    Py_ssize_t nz = 0, nr = 0, nnf = 0, nd = 0, n_bad = 0, m = 0;
+    double cosine = NAN;
     Py_BEGIN_ALLOW_THREADS
     /* the fixed sample: medians of touches (rows updated) and of energy per lookup (eligible rows), the
      * eligible rows whose consistency is negative, and which rows the collapse statistics read */
@@ -734,6 +738,35 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
             neg += st[2] < 0; /* consistency < 0: its numerator is */
         }
         ok[i] = t > 0 && !b;
+    }
+    /* the collapse statistics' rows: the first n_x of the sample updated and finite, less those holding
+     * NaN or inf (a row can go non-finite without a touch: dense optimizer state), as float64 rows of x; and
+     * the sum of their unit vectors (the mean pairwise cosine) */
+    m = 0;
+    for (Py_ssize_t i = 0, taken = 0; i < n_sample && taken < n_x; i++) {
+        if (!ok[i])
+            continue;
+        taken++;
+        const float *src = w + sample[i] * dim;
+        double *dst = x + m * dim, n2 = 0.0;
+        int fin = 1;
+        for (Py_ssize_t d = 0; d < dim; d++) {
+            dst[d] = src[d];
+            fin &= isfinite(src[d]) != 0;
+            n2 += dst[d] * dst[d];
+        }
+        if (!fin)
+            continue;
+        const double inv = 1.0 / fmax(sqrt(n2), 1e-30);
+        for (Py_ssize_t d = 0; d < dim; d++)
+            xsum[d] += dst[d] * inv;
+        m++;
+    }
+    if (m >= 2) {
+        double s2 = 0.0;
+        for (Py_ssize_t d = 0; d < dim; d++)
+            s2 += xsum[d] * xsum[d];
+        cosine = (s2 - (double)m) / ((double)m * (double)(m - 1));
     }
     touch_median = lower_median(touched_v, n_t);
     occ_median = lower_median(occ_v, n_occ);
@@ -791,8 +824,8 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
             dl[nd++] = dead_scan;
     }
 
-    /* out: the scalars, the non-finite ids, the zombies' ids and columns, the rarest's, three slots for the
-     * collapse statistics (the caller's), the dead ids */
+    /* out: the scalars, the non-finite ids, the zombies' ids and columns, the rarest's, the collapse
+     * statistics (effective rank, mean cosine, rows), the dead ids */
     double untouched_bad = 0, nan_count = 0, inf_count = 0;
     double *o = out + 9;
     for (Py_ssize_t i = 0; i < nnf; i++) {
@@ -820,6 +853,9 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
         }
         o += 6 * n;
     }
+    o[0] = NAN; /* the effective rank: the caller's (an eigendecomposition) */
+    o[1] = cosine;
+    o[2] = (double)m;
     o += 3;
     for (Py_ssize_t i = 0; i < nd; i++)
         o[i] = (double)dl[i];
@@ -827,10 +863,11 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
                                touch_median, untouched_bad, nan_count, inf_count};
     memcpy(out, scalars, sizeof scalars);
     Py_END_ALLOW_THREADS
+    free(xsum);
     free(scratch);
     free(heaps);
     free(bad);
-    return Py_BuildValue("nnnnndd", nz, nr, nnf, nd, dead_scan, (double)touch_median, (double)occ_median);
+    return Py_BuildValue("nnnnnddn", nz, nr, nnf, nd, dead_scan, (double)touch_median, (double)occ_median, m);
 }
 
 static PyMethodDef methods[] = {
@@ -872,7 +909,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 5
+#define FASTATS_VERSION 6
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

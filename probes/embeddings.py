@@ -180,6 +180,7 @@ class TableState:
         self._lists = torch.empty(4, min(TOP_ROWS, rows), dtype=torch.long, device=dev).unbind()
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = (ids[:0] for ids in self._lists)
         self._ok = torch.empty(self.sample.numel(), dtype=torch.bool, device=dev)
+        self._collapse_rows: torch.Tensor | None = None  # the native report's, allocated at its first
         self.dead_scan = 0
         self.occ_median = torch.tensor(float("nan"), device=dev)
         self.touch_median = torch.tensor(float("nan"), device=dev)
@@ -661,24 +662,31 @@ class TableState:
         return torch.cat(parts), plan
 
     def _native_report(self, sampled: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-        """report() by the kernel: its lists and counts in one call (report_rows, the same ranking), the
-        collapse statistics here. O(SAMPLE_ROWS + candidates x log TOP_ROWS), ~20 operations."""
+        """report() by the kernel: its lists, counts and collapse statistics in one call (report_rows, the
+        same ranking), but for the effective rank's eigenvalues. O(SAMPLE_ROWS + candidates x log TOP_ROWS),
+        a few operations."""
         k = min(TOP_ROWS, self.rows)
         z, r, nf, dead = self._lists  # the four lists view these (the torch report never ran here)
-        window = self._win_n
+        window, self._win_n = self._win_n, 0  # the kernel clears the window's flags: it starts again empty
         out = torch.empty(12 + 14 * k, dtype=torch.float64)
-        nz, nr, nnf, nd, self.dead_scan, touch_median, occ_median = stats._fastats.report_rows(
+        # The collapse statistics' rows, as float64 (the kernel copies them in and sums their unit vectors).
+        x = self._collapse_rows
+        if x is None and self.dim >= 4:
+            x = self._collapse_rows = torch.empty(min(COLLAPSE_SAMPLE, self.sample.numel()), self.dim,
+                                                  dtype=torch.float64)
+        nz, nr, nnf, nd, self.dead_scan, touch_median, occ_median, m = stats._fastats.report_rows(
             self._state.data_ptr(), self._state.shape[1], self.rows, self.dim, self.weight.data_ptr(),
             self._inwin.data_ptr(), self.counts.data_ptr(), self._win.data_ptr(), window,
             z.data_ptr(), self.zombie_ids.numel(), r.data_ptr(), self.rare_ids.numel(),
             nf.data_ptr(), self.nonfinite_ids.numel(), dead.data_ptr(), self.dead_ids.numel(),
             self.sample.data_ptr(), self._ok.data_ptr(), self.sample.numel(), self.padding.data_ptr(),
-            self.padding.numel(), k, self.dead_scan, MIN_TOUCHES, out.data_ptr())
-        self._win_n = 0
+            self.padding.numel(), k, self.dead_scan, MIN_TOUCHES, out.data_ptr(),
+            0 if x is None else x.data_ptr(), 0 if x is None else x.shape[0])
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = z[:nz], r[:nr], nf[:nnf], dead[:nd]
         self.touch_median, self.occ_median = torch.tensor(touch_median), torch.tensor(occ_median)
         at = 9 + nnf + 6 * (nz + nr)
-        out[at:at + 3] = torch.stack(self._collapse(sampled, self._ok))
+        if m >= 2:  # the kernel wrote the mean cosine and the rows; the rank, from the rows' eigenvalues
+            out[at] = _rank_of(torch.linalg.eigvalsh(_gram(x[:m])).tolist())
         plan = {"window": window, "dead": nd, "nonfinite": nnf, "zombies": nz, "rarest": nr}
         return out[:at + 3 + nd], plan
 
@@ -713,15 +721,32 @@ class TableState:
         m = x.shape[0]
         if m < 2:
             return nan, nan, torch.tensor(float(m), device=dev)
-        # The singular values from the eigenvalues of the smaller Gram matrix, in float64: a third of
-        # svdvals' time on 512 x 32 rows, the same values to ~1e-8 of the largest.
         g = x.double()
-        s = torch.linalg.eigvalsh(g.T @ g if m >= x.shape[1] else g @ g.T).clamp_min(0.0).sqrt()
-        p = s / s.sum().clamp_min(1e-30)
-        rank = torch.exp(-(p * torch.log(p.clamp_min(1e-30))).sum())  # Roy & Vetterli (2007)
-        xn = x / x.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        xn = g / g.norm(dim=1, keepdim=True).clamp_min(1e-30)
         cos = ((xn.sum(dim=0).pow(2).sum() - m) / (m * (m - 1)))
-        return rank, cos, torch.tensor(float(m), device=dev)
+        return _effective_rank(g), cos, torch.tensor(float(m), device=dev)
+
+
+def _gram(x: torch.Tensor) -> torch.Tensor:
+    """The smaller Gram matrix of the rows of ``x``: its eigenvalues are their squared singular values (a
+    third of svdvals' time on 512 x 32 rows in float64, the same values to ~1e-8 of the largest)."""
+    return x.T @ x if x.shape[0] >= x.shape[1] else x @ x.T
+
+
+def _effective_rank(x: torch.Tensor) -> torch.Tensor:
+    """exp(entropy of the normalised singular values) of the rows of ``x`` (float64), Roy & Vetterli
+    (2007), on x's device (no host sync)."""
+    s = torch.linalg.eigvalsh(_gram(x)).clamp_min(0.0).sqrt()
+    p = s / s.sum().clamp_min(1e-30)
+    return torch.exp(-(p * torch.log(p.clamp_min(1e-30))).sum())
+
+
+def _rank_of(eigenvalues: list[float]) -> float:
+    """_effective_rank from the Gram matrix's eigenvalues on the host: the native report's, where a few
+    float operations cost less than eight tensor ones."""
+    s = [math.sqrt(max(v, 0.0)) for v in eigenvalues]
+    total = max(math.fsum(s), 1e-30)
+    return math.exp(-math.fsum(v / total * math.log(max(v / total, 1e-30)) for v in s))
 
 
 def _counts(state_rows: torch.Tensor) -> torch.Tensor:
@@ -807,6 +832,9 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
     dead_idx = take(plan["dead"])
 
     def rowlist(cols: list[list[float]]) -> list[dict]:
+        if all(isfinite(sum(c)) for c in cols[2:]):  # as the listed rows' statistics always are: no checks per row
+            return [{"row": int(i), "touches": int(t), "velocity": v, "consistency": c, "snr": s, "noise": x}
+                    for i, t, v, c, s, x in zip(*cols)]
         return [{"row": int(i), "touches": int(t), "velocity": v if isfinite(v) else None,
                  "consistency": c if isfinite(c) else None, "snr": s if isfinite(s) else None,
                  "noise": x if isfinite(x) else None}
@@ -1057,13 +1085,14 @@ class Embeddings(Collection):
             for t in self.tables:
                 t.gather()
                 t.update(step, with_delta=False)
-        worker = self._worker
-        reporting = self.reports(step)
+        reporting = step % self.interval == 0
         if not (reporting or any(t.pending and t.flush_due() for t in self.tables)):
             return []
-        # Tables looked up with the same indices sort them once (entries); a report's copies of the
-        # weight are taken now, at its step.
-        work = [(t, *t.take(), t.snapshot() if reporting else None, t.tracked_steps) for t in self.tables]
+        worker = self._worker
+        # Tables looked up with the same indices sort them once (entries); for a report on the worker, the
+        # copies of the weight it reads are taken now, at its step (inline, it reads the rows themselves).
+        work = [(t, *t.take(), t.snapshot() if reporting and worker is not None else None, t.tracked_steps)
+                for t in self.tables]
         if worker is None:
             self._fold_all(work)  # an error raises into collect(): the probe degrades
             return [HostCopy(self.name, step, *self._pack(step, work))] if reporting else []
