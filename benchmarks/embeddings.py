@@ -19,6 +19,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -334,28 +335,47 @@ def _time_steps(step_fn, n: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
 
-def _attach_embeddings(model, opt, background: bool, report_every: int = 50):
+def _attach_embeddings(model, opt, background: bool, report_every: int = 50, server: str | None = None):
     old = Embeddings.background
     Embeddings.background = background
     try:
-        return probes.attach(model, opt, sink=probes.MemorySink(), collections={"embeddings": report_every})
+        where = {"server": server} if server else {"sink": probes.MemorySink()}
+        return probes.attach(model, opt, collections={"embeddings": report_every}, **where)
     finally:
         Embeddings.background = old
 
 
-def overhead(d: Data, repeats: int, steps: int, report_every: int = 50) -> None:
+def overhead(d: Data, repeats: int, steps: int, report_every: int = 50, sink: str = "http",
+             cases: str = "ml,dense,sparse") -> None:
     print(f"\n== overhead: step time with the embeddings collection on vs off (tracking every step, a report every "
           f"{report_every} steps; alternating repeats, medians; 'on': the default (the probe's worker thread folds "
           f"and reports the queued path's tables where a core is free), 'inline': no worker; float32 CPU tables "
           f"are tracked and reported by the native kernel, inline in both "
           f"({'built' if probes.stats._fastats is not None else 'NOT built: the torch path, queued'}); "
-          f"wall ratio, then process CPU-time ratio, which counts the worker's work) ==")
+          f"wall ratio, then process CPU-time ratio, which counts the worker's work; events go to "
+          f"{'a real traindx server' if sink == 'http' else 'an in-memory sink that keeps every one'}) ==")
+    server_proc, server = None, None
+    if sink == "http":  # as benchmarks/overhead.py: the sender serialises and posts every event, and forgets it
+        from diag_server.demo import _free_port, start_server
+        port = _free_port()
+        server_proc = start_server(tempfile.mkdtemp(prefix="traindx-bench-"), port)
+        server = f"http://127.0.0.1:{port}"
+        os.environ["TRAINDX_SPOOL"] = tempfile.mkdtemp(prefix="traindx-spool-")
+    try:
+        _overhead(d, repeats, steps, report_every, server, cases.split(","))
+    finally:
+        if server_proc is not None:
+            server_proc.terminate()
+            server_proc.wait(10)
+
+
+def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str | None, which: list[str]) -> None:
 
     def setup_ml(on: bool, background: bool = True):
         torch.manual_seed(0)
         model = MF(d.n_users, d.n_items, float(d.ratings.mean()))
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        probe = _attach_embeddings(model, opt, background, report_every) if on else None
+        probe = _attach_embeddings(model, opt, background, report_every, server) if on else None
         g = torch.Generator().manual_seed(0)
 
         def step():
@@ -375,7 +395,7 @@ def overhead(d: Data, repeats: int, steps: int, report_every: int = 50) -> None:
         user = torch.nn.Embedding(10_000, dim, sparse=sparse)
         model = torch.nn.ModuleDict({"item": item, "user": user})
         opt = torch.optim.SparseAdam(model.parameters(), lr=1e-3) if sparse else torch.optim.Adam(model.parameters(), lr=1e-3)
-        probe = _attach_embeddings(model, opt, background, report_every) if on else None
+        probe = _attach_embeddings(model, opt, background, report_every, server) if on else None
         g = torch.Generator().manual_seed(0)
         # Zipf-like popularity, as in recommender logs.
         weights = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 0.8
@@ -391,11 +411,12 @@ def overhead(d: Data, repeats: int, steps: int, report_every: int = 50) -> None:
                 probe.step(loss=loss)
         return step, probe
 
-    cases = [("ML-100k MF, Adam, batch 256", lambda on, bg: setup_ml(on, bg), steps),
+    cases = [("ML-100k MF, Adam, batch 256", lambda on, bg: setup_ml(on, bg), steps, "ml"),
              ("1M x 32 table, dense grads + Adam, batch 1024", lambda on, bg: setup_big(on, False, background=bg),
-              max(steps // 20, 5)),
+              max(steps // 20, 5), "dense"),
              ("1M x 32 table, sparse grads + SparseAdam, batch 1024", lambda on, bg: setup_big(on, True, background=bg),
-              steps)]
+              steps, "sparse")]
+    cases = [c[:3] for c in cases if c[3] in which]
     arms = {"off": (False, False), "on": (True, True), "inline": (True, False)}
     for label, setup, n in cases:
         runs = {arm: setup(*how) for arm, how in arms.items()}
@@ -435,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="abc", help="detection cases to run: a (toggling), b (group conflict), c (dead)")
     ap.add_argument("--report-every", type=int, default=50,
                     help="overhead: the collection's report interval (it tracks every step whatever this is)")
+    ap.add_argument("--sink", choices=["http", "memory"], default="http",
+                    help="overhead: where the events go (http: a real traindx server, as benchmarks/overhead.py)")
+    ap.add_argument("--overhead-cases", default="ml,dense,sparse", help="overhead: which of ml, dense, sparse")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("traindx.probe").setLevel(logging.ERROR)  # the fixes' log lines; the table says it
@@ -449,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.what in ("all", "fix"):
         fix_bench(d, seeds, epochs, args.regimes.split(","))
     if args.what in ("all", "overhead"):
-        overhead(d, repeats=3 if args.quick else 5, steps=100 if args.quick else 300, report_every=args.report_every)
+        overhead(d, repeats=3 if args.quick else 5, steps=100 if args.quick else 300, report_every=args.report_every,
+                 sink=args.sink, cases=args.overhead_cases)
     return 0
 
 
