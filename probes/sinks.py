@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import threading
+from functools import partial
+from http.client import HTTPConnection, HTTPException, HTTPSConnection, RemoteDisconnected
 from pathlib import Path
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -66,44 +69,75 @@ def dumps(batch: dict) -> bytes:
 
 
 class HttpSink:
-    def __init__(self, server: str, *, token: str | None = None, timeout: float = 5.0) -> None:
-        import httpx
+    """Posts each batch to the server's ``/v1/ingest`` over one kept-alive connection.
 
+    The standard library's http.client rather than httpx: a post runs on the probe's sender thread and
+    holds the GIL for its Python, which the training thread then waits for. httpx made ~1,780 Python
+    calls a post, http.client ~350; at the default interval on the MLP of benchmarks/overhead.py, where
+    a step's Python waits on that, the server sink cost ~13 ms every 100 steps more than an in-memory
+    one (docs/overhead.md). The ingest is idempotent (batch ids), so a post on a connection the server
+    had closed is sent once more on a new one.
+    """
+
+    def __init__(self, server: str, *, token: str | None = None, timeout: float = 5.0) -> None:
+        url = urlsplit(server)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"traindx: the server must be an http(s) URL, not {server!r}")
         self.server = server.rstrip("/")
-        headers = {"content-type": "application/json"}
+        self._path = url.path.rstrip("/") + "/v1/ingest"
+        self._connect = partial(HTTPSConnection if url.scheme == "https" else HTTPConnection, url.hostname,
+                                url.port, timeout=timeout)
+        self._headers = {"content-type": "application/json"}
         token = token if token is not None else default_token()
         if token:
-            headers["authorization"] = f"Bearer {token}"
-        self._client = httpx.Client(base_url=self.server, headers=headers, timeout=timeout)
+            self._headers["authorization"] = f"Bearer {token}"
+        self._conn: HTTPConnection | None = None
+
+    def _post(self, body: bytes) -> tuple[int, str | None, bytes]:
+        try:
+            return self._exchange(body)
+        except (RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            return self._exchange(body)  # a kept-alive connection the server had closed: once more, anew
+
+    def _exchange(self, body: bytes) -> tuple[int, str | None, bytes]:
+        conn = self._conn = self._conn or self._connect()
+        try:
+            conn.request("POST", self._path, body=body, headers=self._headers)
+            r = conn.getresponse()
+            return r.status, r.getheader("retry-after"), r.read()
+        except BaseException:
+            self.close()
+            raise
 
     def send(self, batch: dict) -> dict:
-        import httpx
-
         try:
-            r = self._client.post("/v1/ingest", content=dumps(batch))
-        except httpx.HTTPError as e:
+            status, retry_after, content = self._post(dumps(batch))
+        except (OSError, HTTPException) as e:
             raise SinkError(f"{self.server}: {e.__class__.__name__}: {e}") from None
-        if r.status_code >= 500 or r.status_code in (408, 429):
+        if status >= 500 or status in (408, 429):
             # 503/429/507 are the server's back-pressure: keep the batch, retry after the delay it asks for.
-            raise SinkError(f"{self.server} answered {r.status_code}", _retry_after(r.headers.get("retry-after")))
-        if r.status_code in (401, 403, 421):
+            raise SinkError(f"{self.server} answered {status}", _retry_after(retry_after))
+        text = content[:500].decode("utf-8", "replace")
+        if status in (401, 403, 421):
             # Not the batch's fault: a missing or wrong token, or a Host the server does not accept. The
             # batch is kept (spooled) until someone fixes the configuration.
-            raise SinkError(f"{self.server} refused us ({r.status_code}): {r.text[:300]}; set TRAINDX_TOKEN "
+            raise SinkError(f"{self.server} refused us ({status}): {text[:300]}; set TRAINDX_TOKEN "
                             "to the server's token (in its DATA/token)")
-        if r.status_code >= 400:
+        if status >= 400:
             # A 4xx will not get better on retry: the batch is malformed. Report, do not spool forever.
-            raise RejectedBatch(f"{self.server} refused the batch ({r.status_code}): {r.text[:500]}")
+            raise RejectedBatch(f"{self.server} refused the batch ({status}): {text}")
         try:
-            reply = orjson.loads(r.content)
+            reply = orjson.loads(content)
         except orjson.JSONDecodeError:
-            raise SinkError(f"{self.server} answered {r.status_code} with a body that is not JSON") from None
+            raise SinkError(f"{self.server} answered {status} with a body that is not JSON") from None
         if not isinstance(reply, dict):
-            raise SinkError(f"{self.server} answered {r.status_code} with JSON that is not an ingest reply")
+            raise SinkError(f"{self.server} answered {status} with JSON that is not an ingest reply")
         return reply
 
     def close(self) -> None:
-        self._client.close()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
 
 class RejectedBatch(Exception):

@@ -146,6 +146,15 @@ def test_training_is_unaffected_by_a_misbehaving_server(tmp_path: Path, mode: st
             assert bad.requests == 1
 
 
+def test_a_server_that_is_not_an_http_url_is_refused_at_attach() -> None:
+    """A server given without its scheme (``localhost:8000``) would never be reached: attach says so,
+    instead of spooling every batch of the run."""
+    model, opt = _model()
+    with pytest.raises(ValueError, match="http"):
+        probes.attach(model, opt, run="no-scheme", server="localhost:8000")
+    assert HttpSink("https://example.invalid:8443/traindx/")._path == "/traindx/v1/ingest"
+
+
 def test_replies_the_job_did_not_ask_for_change_nothing(tmp_path: Path) -> None:
     """A server (or something posing as one) cannot widen what the job allowed: junk commands are
     ignored and an out-of-bounds learning rate is refused by the job itself."""
