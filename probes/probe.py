@@ -432,9 +432,9 @@ class Probe:
         import httpx
 
         try:
+            auth = sink.headers.get("authorization")
             r = httpx.get(f"{sink.server}/v1/runs/{self.run}/diagnosis", timeout=timeout,
-                          headers={"accept": "application/json", **({"authorization": sink._client.headers["authorization"]}
-                                                                    if "authorization" in sink._client.headers else {})})
+                          headers={"accept": "application/json", **({"authorization": auth} if auth else {})})
         except httpx.HTTPError:
             return None
         return r.json().get("report") if r.status_code == 200 else None

@@ -87,10 +87,10 @@ class HttpSink:
         self._path = url.path.rstrip("/") + "/v1/ingest"
         self._connect = partial(HTTPSConnection if url.scheme == "https" else HTTPConnection, url.hostname,
                                 url.port, timeout=timeout)
-        self._headers = {"content-type": "application/json"}
+        self.headers = {"content-type": "application/json"}
         token = token if token is not None else default_token()
         if token:
-            self._headers["authorization"] = f"Bearer {token}"
+            self.headers["authorization"] = f"Bearer {token}"
         self._conn: HTTPConnection | None = None
 
     def _post(self, body: bytes) -> tuple[int, str | None, bytes]:
@@ -102,7 +102,7 @@ class HttpSink:
     def _exchange(self, body: bytes) -> tuple[int, str | None, bytes]:
         conn = self._conn = self._conn or self._connect()
         try:
-            conn.request("POST", self._path, body=body, headers=self._headers)
+            conn.request("POST", self._path, body=body, headers=self.headers)
             r = conn.getresponse()
             return r.status, r.getheader("retry-after"), r.read()
         except BaseException:
