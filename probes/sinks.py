@@ -76,7 +76,8 @@ class HttpSink:
     calls a post, http.client ~350; at the default interval on the MLP of benchmarks/overhead.py, where
     a step's Python waits on that, the server sink cost ~13 ms every 100 steps more than an in-memory
     one (docs/overhead.md). The ingest is idempotent (batch ids), so a post on a connection the server
-    had closed is sent once more on a new one.
+    had closed is sent once more on a new one. It connects to the server directly: unlike httpx, it reads
+    no HTTP proxy from the environment.
     """
 
     def __init__(self, server: str, *, token: str | None = None, timeout: float = 5.0) -> None:
