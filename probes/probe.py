@@ -590,8 +590,7 @@ class Probe:
             by_step.setdefault(sampled_step, {}).update(self.pending_scalars)
             self.pending_scalars = {}
         now = time.time()
-        for s in sorted(by_step):
-            self.sender.put({"kind": "scalars", "step": s, "time": now, "values": by_step[s]})
+        self.sender.put_many({"kind": "scalars", "step": s, "time": now, "values": by_step[s]} for s in sorted(by_step))
         if bad:
             self._degrade("scalars", TypeError(f"not a number, dropped: {', '.join(sorted(set(bad)))}"))
 

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import orjson
 
@@ -117,12 +117,20 @@ class Sender:
 
     # -- training-thread side -------------------------------------------------------------------------
     def put(self, event: dict) -> None:
+        self.put_many((event,))
+
+    def put_many(self, events: Iterable[dict]) -> None:
+        """Queue events in order, under one lock (a report's hundred losses: one lock, not a hundred); past
+        the queue's bound they are dropped and counted."""
         with self._cond:
-            if len(self._queue) >= self.max_queue:
-                self.dropped += 1
-                return
-            self._queue.append(event)
-            if len(self._queue) >= self.max_batch:
+            queue, room = self._queue, self.max_queue - len(self._queue)
+            for event in events:
+                if room <= 0:
+                    self.dropped += 1
+                    continue
+                queue.append(event)
+                room -= 1
+            if len(queue) >= self.max_batch:
                 self._cond.notify()
 
     def flush(self, timeout: float = 10.0) -> bool:
