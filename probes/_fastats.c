@@ -584,8 +584,8 @@ fastats_track_post(PyObject *Py_UNUSED(self), PyObject *args)
  * The same summary as TableState.report's torch operations (which stay for CUDA tables, other dtypes and
  * installs without this kernel), computed in two passes over the rows that matter: the fixed sample of
  * rows (medians, the share of eligible rows whose updates reverse, the collapse statistics' rows: copied
- * out as float64 for the caller's eigendecomposition, and their mean pairwise cosine) and the candidates (the rows changed since the last report and the previous lists), ranked with
- * a bounded heap. O(sample + candidates x log TOP_ROWS); the torch path's ~100 small operations a table
+ * out as float64 for the caller's eigendecomposition, and their mean pairwise cosine) and the candidates
+ * (the rows changed since the last report and the previous lists), ranked with a bounded heap. O(sample + candidates x log TOP_ROWS); the torch path's ~100 small operations a table
  * cost more than the arithmetic on the CPU.
  *
  * Ties are broken by the lower row id, as the torch path's stable sort of its id-sorted candidates does. */
@@ -688,11 +688,11 @@ static void row_columns(const float *st, float occ_ref, double *out, Py_ssize_t 
 static PyObject *
 fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
 {
-    unsigned long long state_p, w_p, inwin_p, counts_p, win_p, z_p, r_p, nf_p, d_p, sample_p, ok_p, pad_p, out_p, x_p;
+    unsigned long long state_p, w_p, inwin_p, counts_p, win_p, z_p, r_p, nf_p, d_p, sample_p, pad_p, out_p, x_p;
     Py_ssize_t C, rows, dim, n_win, n_z, n_r, n_nf, n_d, n_sample, n_pad, k, dead_scan, n_x;
     double min_touches;
-    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKKnKnnndKKn", &state_p, &C, &rows, &dim, &w_p, &inwin_p, &counts_p,
-                          &win_p, &n_win, &z_p, &n_z, &r_p, &n_r, &nf_p, &n_nf, &d_p, &n_d, &sample_p, &ok_p,
+    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKnKnnndKKn", &state_p, &C, &rows, &dim, &w_p, &inwin_p, &counts_p,
+                          &win_p, &n_win, &z_p, &n_z, &r_p, &n_r, &nf_p, &n_nf, &d_p, &n_d, &sample_p,
                           &n_sample, &pad_p, &n_pad, &k, &dead_scan, &min_touches, &out_p, &x_p, &n_x))
         return NULL;
     if (C < 8 || rows < 0 || dim <= 0 || n_win < 0 || n_z < 0 || n_z > k || n_r < 0 || n_r > k || n_nf < 0
@@ -702,7 +702,7 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
         return NULL;
     }
     const float *state = (const float *)(uintptr_t)state_p, *w = (const float *)(uintptr_t)w_p;
-    uint8_t *inwin = (uint8_t *)(uintptr_t)inwin_p, *ok = (uint8_t *)(uintptr_t)ok_p;
+    uint8_t *inwin = (uint8_t *)(uintptr_t)inwin_p;
     const int64_t *counts = (const int64_t *)(uintptr_t)counts_p, *win = (const int64_t *)(uintptr_t)win_p;
     const int64_t *sample = (const int64_t *)(uintptr_t)sample_p, *pad = (const int64_t *)(uintptr_t)pad_p;
     int64_t *zl = (int64_t *)(uintptr_t)z_p, *rl = (int64_t *)(uintptr_t)r_p, *nfl = (int64_t *)(uintptr_t)nf_p;
@@ -710,10 +710,12 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     double *out = (double *)(uintptr_t)out_p;
     double *x = (double *)(uintptr_t)x_p, *xsum = calloc((size_t)dim, sizeof(double));
     float *scratch = malloc((size_t)(2 * n_sample + 1) * sizeof(float));
+    uint8_t *ok = malloc((size_t)n_sample + 1); /* which rows of the sample were updated and are finite */
     ranked_t *heaps = malloc((size_t)(2 * k + 1) * sizeof(ranked_t));
     int64_t *bad = malloc((size_t)(n_win + n_z + n_r + n_nf + 1) * sizeof(int64_t));
-    if (scratch == NULL || heaps == NULL || bad == NULL || xsum == NULL) {
+    if (scratch == NULL || ok == NULL || heaps == NULL || bad == NULL || xsum == NULL) {
         free(xsum);
+        free(ok);
         free(scratch);
         free(heaps);
         free(bad);
@@ -742,7 +744,6 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     /* the collapse statistics' rows: the first n_x of the sample updated and finite, less those holding
      * NaN or inf (a row can go non-finite without a touch: dense optimizer state), as float64 rows of x; and
      * the sum of their unit vectors (the mean pairwise cosine) */
-    m = 0;
     for (Py_ssize_t i = 0, taken = 0; i < n_sample && taken < n_x; i++) {
         if (!ok[i])
             continue;
@@ -864,6 +865,7 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     memcpy(out, scalars, sizeof scalars);
     Py_END_ALLOW_THREADS
     free(xsum);
+    free(ok);
     free(scratch);
     free(heaps);
     free(bad);
@@ -909,7 +911,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 6
+#define FASTATS_VERSION 7
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

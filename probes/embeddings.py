@@ -175,11 +175,9 @@ class TableState:
         self._win_n = 0
         self._inwin = torch.zeros(rows, dtype=torch.uint8, device=dev)
         # The report's lists (zombies, rarest, non-finite, dead: TOP_ROWS each), kept in place: the native
-        # report reads them and rewrites them (see _native_report), the torch one replaces them. And which
-        # rows of the sample the native report's collapse statistics read.
+        # report reads them and rewrites them (see _native_report), the torch one replaces them.
         self._lists = torch.empty(4, min(TOP_ROWS, rows), dtype=torch.long, device=dev).unbind()
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = (ids[:0] for ids in self._lists)
-        self._ok = torch.empty(self.sample.numel(), dtype=torch.bool, device=dev)
         self._collapse_rows: torch.Tensor | None = None  # the native report's, allocated at its first
         self.dead_scan = 0
         self.occ_median = torch.tensor(float("nan"), device=dev)
@@ -679,7 +677,7 @@ class TableState:
             self._inwin.data_ptr(), self.counts.data_ptr(), self._win.data_ptr(), window,
             z.data_ptr(), self.zombie_ids.numel(), r.data_ptr(), self.rare_ids.numel(),
             nf.data_ptr(), self.nonfinite_ids.numel(), dead.data_ptr(), self.dead_ids.numel(),
-            self.sample.data_ptr(), self._ok.data_ptr(), self.sample.numel(), self.padding.data_ptr(),
+            self.sample.data_ptr(), self.sample.numel(), self.padding.data_ptr(),
             self.padding.numel(), k, self.dead_scan, MIN_TOUCHES, out.data_ptr(),
             0 if x is None else x.data_ptr(), 0 if x is None else x.shape[0])
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = z[:nz], r[:nr], nf[:nnf], dead[:nd]
@@ -1016,7 +1014,6 @@ class Embeddings(Collection):
         # collect() where it has work (no optimizer step, a queue at its bound): it reports nothing here
         if not self._stepped or any(t.pending and t.flush_due() for t in self._queues):
             self.collect(step)
-        self._armed = False
         self.arm(step + 1)
         return self.track_every == 1
 

@@ -312,8 +312,7 @@ class Probe:
                         self._quiet_until = 0
                 if self._hook_errors:
                     self._report_hook_errors()
-                if self._in_flight or len(self._losses) >= MAX_BUFFERED_LOSSES:
-                    self._between_reports()
+                self._between_reports()
             elif sampled:
                 if self._capture is not None:
                     self._capture.pause(True)
