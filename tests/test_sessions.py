@@ -73,7 +73,22 @@ def test_records_match_in_any_order_and_a_live_fault_may_raise_more():
 def test_a_healthy_recording_stays_healthy():
     """A recorded empty list is not a list of records: a false alarm in the replay is a difference."""
     assert diff({"anomalies": []}, {"anomalies": [{"id": "a-1", "kind": "dead_relu"}]}) == [
-        "$.anomalies: 0 items recorded, 1 replayed"]
+        "$.anomalies: 0 items recorded, 1 replayed: kind='dead_relu'"]
+
+
+def test_a_stall_of_the_machine_is_not_a_difference_and_a_problem_of_the_job_still_is():
+    """A loaded machine can stall a healthy job long enough to flag a step_time_outlier: that measures the
+    machine, so the replay drops it on both sides, and the ids around it still line up."""
+    stall = {"id": "a-2", "kind": "step_time_outlier", "severity": "info"}
+    recorded = {"anomalies": [{"id": "a-1", "kind": "exploding_gradient"}],
+                "anomalies_by_kind": {"exploding_gradient": 1}}
+    replayed = {"anomalies": [stall, {"id": "a-5", "kind": "exploding_gradient"}],
+                "anomalies_by_kind": {"step_time_outlier": 1, "exploding_gradient": 1}}
+    assert diff(recorded, replayed) == []
+    assert _learn_ids(recorded, replayed) == {"a-1": "a-5"}
+    assert diff({"causes": []}, {"causes": [{"anomaly_id": "a-2", "kind": "step_time_outlier"}]}) == []
+    assert diff({"anomalies_by_kind": {}}, {"anomalies_by_kind": {"memory_growth": 1}}) == [
+        "$.anomalies_by_kind.memory_growth: not in the recording"]
 
 
 def test_a_malformed_session_is_refused(tmp_path):
