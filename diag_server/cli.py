@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -89,7 +90,19 @@ def serve(host: str, port: int, allow_remote: bool, token: str | None, open_read
                f"{services.store_status}; token {where}", err=True)
     if is_loopback(host):
         click.echo(f"dashboard: http://127.0.0.1:{port}/?token={settings.token}", err=True)
+    _settle_heap()
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def _settle_heap() -> None:
+    """What the server process holds by now (modules, the app, its routes and schemas) lives as long as it:
+    frozen out of the garbage collector's reach, so that the full collections that parsing large batches
+    triggers do not walk it each time; and the young generation collected less often, since one batch
+    allocates thousands of models at once. An embeddings report of four tables (2,048 listed rows, 288 KB)
+    cost the server 12.7 ms of CPU, 7.0 ms with this (measured, docs/embeddings.md)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
 
 
 @main.command()
