@@ -39,7 +39,9 @@ def test_tables_for_people(srv: ServerProcess) -> None:
     assert code == 0 and "exploding_gradient" in out and "nonfinite" in out and out.startswith("ID")
     code, out = cli(srv, "anomalies", RUN, "--kind", "nonfinite")
     assert code == 0 and "exploding_gradient" not in out
-    code, out = cli(srv, "anomalies", RUN, "--severity", "info")
+    # A non-finite value is always critical. (Whether a spike that long kills ReLUs, an info dead_relu,
+    # depends on how many steps the job ran between the injections: on timing.)
+    code, out = cli(srv, "anomalies", RUN, "--kind", "nonfinite", "--severity", "info")
     assert code == 0 and f"no anomalies in {RUN} matching the filters" in out
     code, out = cli(srv, "diagnose", RUN)
     assert code == 0 and "Diagnosis of run" in out and "exploding_gradient" in out
