@@ -108,11 +108,10 @@ class Collection:
         return step
 
     def tick(self, step: int) -> bool:
-        """The end of a quiet step (see quiet()): collect(step), which sends nothing, and arm(step + 1).
-        False when the collection is no longer quiet at ``step + 1`` (its schedule changed since)."""
-        self.collect(step)
-        self.arm(step + 1)
-        return self.quiet(step + 1) > step + 1
+        """The end of a quiet step (see quiet()): what collect(step) would do, sending nothing, then
+        arm(step + 1). False when the collection is no longer quiet at ``step + 1`` (its schedule changed
+        since). Only a collection whose quiet() can pass its step is ticked, and it says how."""
+        raise NotImplementedError(f"{type(self).__name__} is never quiet")
 
     def phase_hooks(self) -> dict[str, Callable] | None:
         """What this collection runs at the step's phase boundaries (see ``Phases``), by boundary: None

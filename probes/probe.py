@@ -560,11 +560,11 @@ class Probe:
 
     def _flush_scalars(self, sampled_step: int | None = None) -> None:
         """Send buffered losses and scalars. One host sync for all the loss tensors of the interval."""
-        losses, self._losses = list(zip(self._loss_steps, self._losses)), []
-        self._loss_steps = []
+        steps, losses = self._loss_steps, self._losses
+        self._loss_steps, self._losses = [], []
         user, self._user_scalars = self._user_scalars, []
         by_step: dict[int, dict[str, float | None]] = {}
-        tensors = [(s, v) for s, v in losses if isinstance(v, torch.Tensor)]
+        tensors = [(s, v) for s, v in zip(steps, losses) if isinstance(v, torch.Tensor)]
         if tensors:
             # A non-scalar loss (per-sample values) is reported as its mean. The usual loss, a 0-d float
             # tensor on one device, is stacked as it is: two operations for the interval, not two per step.
@@ -577,7 +577,7 @@ class Probe:
             for (s, _), v in zip(tensors, values):
                 by_step.setdefault(s, {})["loss"] = v if math.isfinite(v) else None
         bad: list[str] = []
-        for s, v in losses:
+        for s, v in zip(steps, losses):
             if not isinstance(v, torch.Tensor):
                 self._put_scalar(by_step, s, "loss", v, bad)
         for s, values in user:
