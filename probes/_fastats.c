@@ -872,6 +872,66 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     return Py_BuildValue("nnnnnddn", nz, nr, nnf, nd, dead_scan, (double)touch_median, (double)occ_median, m);
 }
 
+/* ---- a report's listed rows as the event's dicts (probes/embeddings.py, _decode) ----------------------
+ *
+ * A report lists up to 2 x TOP_ROWS rows a table, six numbers each, which the event carries as dicts. Built
+ * here from the report's host list (six columns of n values from ``at``): the same dicts as _decode's
+ * comprehension, the row id and touches as ints, a non-finite statistic as None; the list's float objects
+ * are reused, not copied. About a quarter of the comprehension's time, which was a third of a report's. */
+
+static PyObject *
+fastats_row_dicts(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    PyObject *raw, *keys;
+    Py_ssize_t at, n;
+    if (!PyArg_ParseTuple(args, "O!nnO!", &PyList_Type, &raw, &at, &n, &PyTuple_Type, &keys))
+        return NULL;
+    if (PyTuple_GET_SIZE(keys) != 6 || at < 0 || n < 0 || at > PyList_GET_SIZE(raw)
+        || n > (PyList_GET_SIZE(raw) - at) / 6) {
+        PyErr_SetString(PyExc_ValueError, "row_dicts: six keys and six columns of n values inside the list");
+        return NULL;
+    }
+    /* Each dict is a copy of one holding the six keys, whose values are then replaced: a fresh dict would
+     * grow its table at the sixth key. */
+    PyObject *out = PyList_New(n), *tmpl = PyDict_New();
+    if (out == NULL || tmpl == NULL)
+        goto fail;
+    for (Py_ssize_t c = 0; c < 6; c++)
+        if (PyDict_SetItem(tmpl, PyTuple_GET_ITEM(keys, c), Py_None) < 0)
+            goto fail;
+    PyObject **col = &PyList_GET_ITEM(raw, at);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyDict_Copy(tmpl);
+        if (d == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, i, d);
+        for (Py_ssize_t c = 0; c < 6; c++) {
+            PyObject *x = col[c * n + i], *v;
+            const double f = PyFloat_AsDouble(x);
+            if (f == -1.0 && PyErr_Occurred())
+                goto fail;
+            if (c < 2) /* the row id and its touches: int(x) */
+                v = PyLong_FromDouble(f);
+            else if (!isfinite(f))
+                v = Py_NewRef(Py_None);
+            else
+                v = PyFloat_CheckExact(x) ? Py_NewRef(x) : PyFloat_FromDouble(f);
+            if (v == NULL)
+                goto fail;
+            const int err = PyDict_SetItem(d, PyTuple_GET_ITEM(keys, c), v);
+            Py_DECREF(v);
+            if (err < 0)
+                goto fail;
+        }
+    }
+    Py_DECREF(tmpl);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_XDECREF(tmpl);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"stats", fastats_stats, METH_VARARGS,
      "stats(data_ptr, numel, is_double) -> [sum, sumsq, nan, inf, zero, min, max, n]\n\n"
@@ -891,6 +951,10 @@ static PyMethodDef methods[] = {
     {"report_rows", fastats_report_rows, METH_VARARGS,
      "The lists and counts of an embedding table's report (see probes/embeddings.py, TableState._native_report)\n"
      "-> (zombies, rarest, non-finite, dead, dead_scan, touch median, energy median)."},
+    {"row_dicts", fastats_row_dicts, METH_VARARGS,
+     "row_dicts(raw, at, n, keys) -> list of n dicts\n\n"
+     "A report's listed rows (see probes/embeddings.py, _decode): six columns of n values of the list ``raw``\n"
+     "from ``at``, under the six ``keys``; the first two as ints, a non-finite value as None."},
     {"outside", fastats_outside, METH_VARARGS,
      "outside(data_ptr, numel, lo, hi, is_double) -> int\n\n"
      "How many elements of a contiguous buffer are <= lo or >= hi (NaN: neither)."},
@@ -911,7 +975,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 7
+#define FASTATS_VERSION 8
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

@@ -809,6 +809,10 @@ def _ema_scan(rate: torch.Tensor, y: torch.Tensor, x0: torch.Tensor, first: torc
     return b
 
 
+# A listed row's fields, in the order of the report's six columns (see TableState.report).
+_ROW_KEYS = ("row", "touches", "velocity", "consistency", "snr", "noise")
+
+
 def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_steps: int) -> dict:
     isfinite = math.isfinite
 
@@ -824,12 +828,15 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
         return raw[at - n:at]
 
     nf_idx = take(plan["nonfinite"])
-    z = [take(plan["zombies"]) for _ in range(6)]
-    r = [take(plan["rarest"]) for _ in range(6)]
+    z_at, r_at = at, at + 6 * plan["zombies"]
+    at = r_at + 6 * plan["rarest"]
     rank, cosine, sampled = take(3)
     dead_idx = take(plan["dead"])
 
-    def rowlist(cols: list[list[float]]) -> list[dict]:
+    def rowlist(start: int, n: int) -> list[dict]:
+        if stats._fastats is not None:
+            return stats._fastats.row_dicts(raw, start, n, _ROW_KEYS)
+        cols = [raw[start + c * n:start + (c + 1) * n] for c in range(6)]
         if all(isfinite(sum(c)) for c in cols[2:]):  # as the listed rows' statistics always are: no checks per row
             return [{"row": int(i), "touches": int(t), "velocity": v, "consistency": c, "snr": s, "noise": x}
                     for i, t, v, c, s, x in zip(*cols)]
@@ -846,8 +853,8 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
         # estimated from the fixed sample of rows
         "negative_consistency_rows": round(neg_sample / max(eligible_sample, 1.0) * eligible),
         "effective_rank": num(rank), "mean_cosine": num(cosine), "sampled_rows": int(sampled),
-        "zombies": rowlist(z),
-        "rarest": rowlist(r),
+        "zombies": rowlist(z_at, plan["zombies"]),
+        "rarest": rowlist(r_at, plan["rarest"]),
         "dead_ids": [int(i) for i in dead_idx],
         "nonfinite_ids": [int(i) for i in nf_idx],
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 
 import httpx
 
@@ -370,6 +371,33 @@ def test_the_window_of_changed_rows_holds_each_row_once(path: str) -> None:
     probe.close()
     last = summaries(sink)[-1]
     assert last[0] == 400 and last[1]["embedding"]["window_touched_rows"] == 4
+
+
+@pytest.mark.skipif(probes.stats._fastats is None, reason="the native kernel is not built (no C compiler at install)")
+def test_the_kernel_builds_the_listed_rows_as_the_python_decoder_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report's listed rows become the event's dicts in the kernel (row_dicts) or in Python: the same
+    dicts, row ids and touches as ints, a non-finite statistic as None; malformed arguments are refused."""
+    kernel, nan, inf = probes.stats._fastats, float("nan"), float("inf")
+    zombies = [[3.0, 9.0], [40.0, 21.0], [0.5, 0.25], [-0.3, nan], [0.04, 0.05], [3.5, inf]]
+    rarest = [[12.0], [1.0], [0.0], [0.0], [-inf], [0.0]]
+    raw = [2.0, 0.0, 2.0, 1.0, 2.0, 21.0, 0.0, 0.0, 0.0] + [c for col in zombies for c in col] \
+        + [c for col in rarest for c in col] + [4.0, 0.1, 2.0] + [5.0]
+    plan = {"window": 3, "nonfinite": 0, "zombies": 2, "rarest": 1, "dead": 1}
+    t = SimpleNamespace(rows=20, dim=2, sparse=False, padding=torch.empty(0))
+    native = probes.embeddings._decode("w", t, raw, plan, 7)
+    monkeypatch.setattr(probes.stats, "_fastats", None)
+    python = probes.embeddings._decode("w", t, raw, plan, 7)
+    assert native == python
+    z = native["embedding"]["zombies"]
+    assert z[0] == {"row": 3, "touches": 40, "velocity": 0.5, "consistency": -0.3, "snr": 0.04, "noise": 3.5}
+    assert z[1]["consistency"] is None and z[1]["noise"] is None and type(z[1]["row"]) is int
+    assert native["embedding"]["rarest"] == [{"row": 12, "touches": 1, "velocity": 0.0, "consistency": 0.0,
+                                              "snr": None, "noise": 0.0}]
+    assert native["embedding"]["dead_ids"] == [5]
+    with pytest.raises(ValueError, match="six columns"):
+        kernel.row_dicts(raw, len(raw) - 5, 1, probes.embeddings._ROW_KEYS)
+    with pytest.raises(TypeError):
+        kernel.row_dicts(raw, 0, 1, list(probes.embeddings._ROW_KEYS))
 
 
 @pytest.mark.skipif(probes.stats._fastats is None, reason="the native kernel is not built (no C compiler at install)")
