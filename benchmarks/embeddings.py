@@ -335,6 +335,19 @@ def _time_steps(step_fn, n: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
 
+def _time_arms(step_fns: dict, n: int, block: int) -> dict[str, tuple[float, float]]:
+    """Each arm's wall and CPU time per step over ``n`` steps, the arms taking turns every ``block`` steps: a
+    drift of the machine's speed within the repeat weighs on every arm alike."""
+    wall, cpu = dict.fromkeys(step_fns, 0.0), dict.fromkeys(step_fns, 0.0)
+    for at in range(0, n, block):
+        b = min(block, n - at)
+        for arm, fn in step_fns.items():
+            w, c = _time_steps(fn, b)
+            wall[arm] += w * b
+            cpu[arm] += c * b
+    return {arm: (wall[arm] / n, cpu[arm] / n) for arm in step_fns}
+
+
 def _attach_embeddings(model, opt, background: bool, report_every: int = 50, server: str | None = None):
     old = Embeddings.background
     Embeddings.background = background
@@ -348,7 +361,7 @@ def _attach_embeddings(model, opt, background: bool, report_every: int = 50, ser
 def overhead(d: Data, repeats: int, steps: int, report_every: int = 50, sink: str = "http",
              cases: str = "ml,dense,sparse") -> None:
     print(f"\n== overhead: step time with the embeddings collection on vs off (tracking every step, a report every "
-          f"{report_every} steps; alternating repeats, medians; 'on': the default (the probe's worker thread folds "
+          f"{report_every} steps; the arms take turns every 100 steps, medians of the repeats; 'on': the default (the probe's worker thread folds "
           f"and reports the queued path's tables where a core is free), 'inline': no worker; float32 CPU tables "
           f"are tracked and reported by the native kernel, inline in both "
           f"({'built' if probes.stats._fastats is not None else 'NOT built: the torch path, queued'}); "
@@ -411,7 +424,10 @@ def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str 
                 probe.step(loss=loss)
         return step, probe
 
-    cases = [("ML-100k MF, Adam, batch 256", lambda on, bg: setup_ml(on, bg), steps, "ml"),
+    # ML-100k's step is ~1 ms: 5x the steps a repeat (15 reports at the default interval), the arms taking
+    # turns every 100 steps, so that this VM's swings (+-0.05 a repeat of 300 steps run one arm after the
+    # other) average out within a repeat.
+    cases = [("ML-100k MF, Adam, batch 256", lambda on, bg: setup_ml(on, bg), 5 * steps, "ml"),
              ("1M x 32 table, dense grads + Adam, batch 1024", lambda on, bg: setup_big(on, False, background=bg),
               max(steps // 20, 5), "dense"),
              ("1M x 32 table, sparse grads + SparseAdam, batch 1024", lambda on, bg: setup_big(on, True, background=bg),
@@ -424,8 +440,8 @@ def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str 
             _time_steps(fn, max(n // 5, 5))  # warm up
         times: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
         for _ in range(repeats):
-            for arm in arms:
-                times[arm].append(_time_steps(runs[arm][0], n))
+            for arm, t in _time_arms({arm: run[0] for arm, run in runs.items()}, n, block=100).items():
+                times[arm].append(t)
         probe = runs["on"][1]
         coll = next(c for c in probe.collections if isinstance(c, Embeddings))
         state_mb = sum(t.state_bytes() for t in coll.tables) / 2**20
