@@ -378,13 +378,13 @@ CLONES static void reduce_rows(Py_ssize_t nu, const int64_t *uniq, const float *
 static PyObject *
 fastats_track_pre(PyObject *Py_UNUSED(self), PyObject *args)
 {
-    unsigned long long ids_p, grad_p, gi_p, gv_p, w_p, proj_p, pad_p, keys_p, slots_p, uniq_p, cnt_p, gsk_p,
-        before_p, acc_p;
-    Py_ssize_t n_ids, rows, dim, k, n_g, n_pad, h;
+    unsigned long long ids_p, grad_p, gi_p, gv_p, src_uniq_p, src_cnt_p, w_p, proj_p, pad_p, keys_p, slots_p, uniq_p,
+        cnt_p, gsk_p, before_p, acc_p;
+    Py_ssize_t n_ids, rows, dim, k, n_g, src_nu, n_pad, h;
     /* what changes every step, then the table's fixed arguments, then the scratch */
-    if (!PyArg_ParseTuple(args, "KnKKKnKnnnKKnKKnKKKKK", &ids_p, &n_ids, &grad_p, &gi_p, &gv_p, &n_g, &w_p, &rows,
-                          &dim, &k, &proj_p, &pad_p, &n_pad, &keys_p, &slots_p, &h, &uniq_p, &cnt_p, &gsk_p,
-                          &before_p, &acc_p))
+    if (!PyArg_ParseTuple(args, "KnKKKnKKnKnnnKKnKKnKKKKK", &ids_p, &n_ids, &grad_p, &gi_p, &gv_p, &n_g, &src_uniq_p,
+                          &src_cnt_p, &src_nu, &w_p, &rows, &dim, &k, &proj_p, &pad_p, &n_pad, &keys_p, &slots_p, &h,
+                          &uniq_p, &cnt_p, &gsk_p, &before_p, &acc_p))
         return NULL;
     const int64_t *ids = (const int64_t *)(uintptr_t)ids_p, *gi = (const int64_t *)(uintptr_t)gi_p;
     const int64_t *pad = (const int64_t *)(uintptr_t)pad_p;
@@ -394,14 +394,31 @@ fastats_track_pre(PyObject *Py_UNUSED(self), PyObject *args)
     int64_t *uniq = (int64_t *)(uintptr_t)uniq_p;
     float *cnt = (float *)(uintptr_t)cnt_p, *gsk = (float *)(uintptr_t)gsk_p, *before = (float *)(uintptr_t)before_p;
     float *acc = (float *)(uintptr_t)acc_p;
+    const int64_t *src_uniq = (const int64_t *)(uintptr_t)src_uniq_p;
+    const float *src_cnt = (const float *)(uintptr_t)src_cnt_p;
     if (n_ids < 0 || dim <= 0 || k <= 0 || n_g < 0 || n_pad < 0 || h < 2 * n_ids || (h & (h - 1)) != 0
-        || (proj == NULL && k != dim) || (grad == NULL && (gi == NULL || gv == NULL || acc == NULL) && n_g > 0)) {
+        || (proj == NULL && k != dim) || (grad == NULL && (gi == NULL || gv == NULL || acc == NULL) && n_g > 0)
+        || (src_uniq != NULL && (grad == NULL || src_cnt == NULL || src_nu < 0 || src_nu > n_ids))) {
         PyErr_SetString(PyExc_ValueError, "track_pre: bad arguments");
         return NULL;
     }
     Py_ssize_t bad_id = -1, nu = 0;
     Py_BEGIN_ALLOW_THREADS
-    memset(keys, 0xff, (size_t)h * sizeof(int64_t)); /* every key -1 */
+    if (src_uniq != NULL) { /* the same lookups as a table of as many rows and the same padding, just found:
+                             * its distinct rows and counts, not another hash (dense gradients only: a sparse
+                             * one's entries are matched through the hash table) */
+        for (Py_ssize_t s = 0; s < src_nu; s++)
+            if (src_uniq[s] < 0 || src_uniq[s] >= rows)
+                bad_id = s;
+        if (bad_id < 0) {
+            memcpy(uniq, src_uniq, (size_t)src_nu * sizeof(int64_t));
+            memcpy(cnt, src_cnt, (size_t)src_nu * sizeof(float));
+            nu = src_nu;
+        }
+        n_ids = 0; /* the loop below has nothing left to find */
+    } else {
+        memset(keys, 0xff, (size_t)h * sizeof(int64_t)); /* every key -1 */
+    }
     for (Py_ssize_t i = 0; i < n_ids; i++) {
         const int64_t id = ids[i];
         if (id < 0 || id >= rows) {
@@ -975,7 +992,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 8
+#define FASTATS_VERSION 9
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

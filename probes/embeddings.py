@@ -162,6 +162,8 @@ class TableState:
         self._state = torch.zeros(rows, 8 + 2 * self.k, device=dev)
         pad = {m.padding_idx for m in modules if getattr(m, "padding_idx", None) is not None}
         self.padding = torch.tensor(sorted(p % rows for p in pad), dtype=torch.long, device=dev)
+        # Tables with equal keys find the same distinct rows in the same lookups (see gather's ``shared``).
+        self.same_rows = (rows, tuple(sorted(p % rows for p in pad)))
         self.sparse = any(getattr(m, "sparse", False) for m in modules)
         self.tracked_steps = 0
         # What a report needs, kept so that it costs O(rows touched since the last report), not O(rows):
@@ -259,9 +261,12 @@ class TableState:
         return x if self.proj is None else x @ self.proj
 
     # -- one tracked step: record the touched rows; the statistics are folded in by flush() -------------
-    def gather(self) -> None:
+    def gather(self, seen: list | None = None) -> None:
         """Before the optimizer step: copy the looked-up rows' gradients and values (no arithmetic), or,
-        with the native kernel, reduce them to what track_post needs."""
+        with the native kernel, reduce them to what track_post needs. ``seen``: the step's (lookup, table)
+        pairs of the tables natively tracked so far from one lookup with a dense gradient, which this one
+        joins: a table looked up with the same tensor (a bias beside its embedding) takes their distinct
+        rows instead of finding them again."""
         self._cur = None
         w = self.weight
         grad = w.grad
@@ -277,7 +282,11 @@ class TableState:
             self._wp, self._tail = w.data_ptr(), None
         sparse = grad.is_sparse
         if self.native and len(lookups) == 1 and not sparse:  # the usual step, in as few torch calls as can be
-            self._native_pre(lookups[0], grad, None)
+            ids, src = lookups[0], None
+            if seen is not None:
+                src = next((t for x, t in seen if x is ids and t.same_rows == self.same_rows), None)
+                seen.append((ids, self))
+            self._native_pre(ids, grad, None, src)
             return
         if sparse and grad.sparse_dim() != 1:  # not an embedding's (row, width) layout: read it dense
             grad, sparse = grad.to_dense(), False
@@ -311,9 +320,12 @@ class TableState:
             g = self._copy_rows(grad, ids, 0, at)
         self._cur = (ids, g, self._copy_rows(w.detach(), ids, 1, at), at)
 
-    def _native_pre(self, ids: torch.Tensor, grad: torch.Tensor, entries: tuple | None) -> None:
-        """track_pre over this step's lookups (``entries``: a sparse gradient's, see gather()). The kernel's
-        pointers that last from step to step are kept (_tail), and checked again when the weight moved."""
+    def _native_pre(self, ids: torch.Tensor, grad: torch.Tensor, entries: tuple | None,
+                    src: TableState | None = None) -> None:
+        """track_pre over this step's lookups (``entries``: a sparse gradient's, see gather()); ``src``: a
+        table tracked just before from the same lookups, whose distinct rows and counts are taken. The
+        kernel's pointers that last from step to step are kept (_tail), and checked again when the weight
+        moved."""
         if ids.dtype is not torch.int64 or not ids.is_contiguous():
             ids = ids.long().contiguous()
         n = ids.numel()
@@ -332,7 +344,8 @@ class TableState:
         if tail is None:
             tail = self._tail = (self._wp, *self._fixed_pre, *sc.pre)
             self._post_head = (*sc.post, self._wp)
-        self._cur = stats._fastats.track_pre(ids.data_ptr(), n, *gpart, *tail)  # the step's distinct rows
+        shared = (0, 0, 0) if src is None else (src._scratch.uniq.data_ptr(), src._scratch.cnt.data_ptr(), src._cur)
+        self._cur = stats._fastats.track_pre(ids.data_ptr(), n, *gpart, *shared, *tail)  # the step's distinct rows
 
     def _native_post(self, nu: int, with_delta: bool) -> None:
         """track_post: the rows' statistics, once the optimizer moved them; the rows go to the window."""
@@ -1073,8 +1086,9 @@ class Embeddings(Collection):
 
     def _pre(self, *_: Any) -> None:
         if self._armed:
+            seen: list = []
             for t in self.tables:
-                t.gather()
+                t.gather(seen)
 
     def _post(self, *_: Any) -> None:
         if self._stepped or not self._armed:
