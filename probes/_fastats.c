@@ -502,7 +502,9 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
             const float dd = after[d] - prior[d];
             step2 += dd * dd;
         }
-        const int fin = max_abs_row(after, dim) < INFINITY && isfinite(gmax);
+        /* finite after the step: a finite step2 says so (a NaN or inf in either row makes it NaN or inf);
+         * otherwise (or an overflow) the row itself is read */
+        const int fin = isfinite(gmax) && (isfinite(step2) || max_abs_row(after, dim) < INFINITY);
         float *st = state + row * C;
         const double t_old = st[0];
         const int bad_old = st[7] > 0;
@@ -535,9 +537,20 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
             memcpy(m, &mn8, sizeof mn8);
             if (fin)
                 memcpy(prev, &in8, sizeof in8);
+        } else if (k == 1) { /* a bias table: the loop below on one element, without its arrays */
+            const double g1 = fin ? clean(sk[0]) : 0.0, in1 = g1 - m[0], p1 = prev[0];
+            const double m1 = (1.0 - a_fast) * m[0] + a_fast * g1;
+            dot = in1 * p1;
+            in2 = in1 * in1;
+            pv2 = p1 * p1;
+            gn2 = g1 * g1;
+            msq = m1 * m1;
+            m[0] = (float)m1;
+            if (fin)
+                prev[0] = (float)in1;
         }
         double gs[64], inno[64];
-        for (Py_ssize_t j = 0; j < k && k != 8; j++) {
+        for (Py_ssize_t j = 0; j < k && k != 8 && k != 1; j++) {
             gs[j] = fin ? clean(sk[j]) : 0.0;
             inno[j] = gs[j] - m[j];
             dot += inno[j] * prev[j];
@@ -548,7 +561,7 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
             m[j] = (float)mj;
             msq += mj * mj;
         }
-        if (fin && k != 8)
+        if (fin && k != 8 && k != 1)
             for (Py_ssize_t j = 0; j < k; j++)
                 prev[j] = (float)inno[j];
         const double target[6] = {with_delta ? clean(sqrt((double)step2)) : 0.0, dot, sqrt(in2 * pv2), gn2, msq,
