@@ -284,7 +284,10 @@ class TableState:
         if self.native and len(lookups) == 1 and not sparse:  # the usual step, in as few torch calls as can be
             ids, src = lookups[0], None
             if seen is not None:
-                src = next((t for x, t in seen if x is ids and t.same_rows == self.same_rows), None)
+                for x, t in seen:
+                    if x is ids and t.same_rows == self.same_rows:
+                        src = t
+                        break
                 seen.append((ids, self))
             self._native_pre(ids, grad, None, src)
             return
