@@ -359,7 +359,7 @@ def _attach_embeddings(model, opt, background: bool, report_every: int = 50, ser
 
 
 def overhead(d: Data, repeats: int, steps: int, report_every: int = 50, sink: str = "http",
-             cases: str = "ml,dense,sparse") -> None:
+             cases: str = "ml,dense,sparse", big_dim: int = 32) -> None:
     print(f"\n== overhead: step time with the embeddings collection on vs off (tracking every step, a report every "
           f"{report_every} steps; the arms take turns every 100 steps, medians of the repeats; 'on': the default (the probe's worker thread folds "
           f"and reports the queued path's tables where a core is free), 'inline': no worker; float32 CPU tables "
@@ -375,14 +375,15 @@ def overhead(d: Data, repeats: int, steps: int, report_every: int = 50, sink: st
         server = f"http://127.0.0.1:{port}"
         os.environ["TRAINDX_SPOOL"] = tempfile.mkdtemp(prefix="traindx-spool-")
     try:
-        _overhead(d, repeats, steps, report_every, server, cases.split(","))
+        _overhead(d, repeats, steps, report_every, server, cases.split(","), big_dim)
     finally:
         if server_proc is not None:
             server_proc.terminate()
             server_proc.wait(10)
 
 
-def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str | None, which: list[str]) -> None:
+def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str | None, which: list[str],
+              big_dim: int = 32) -> None:
 
     def setup_ml(on: bool, background: bool = True):
         torch.manual_seed(0)
@@ -401,7 +402,7 @@ def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str 
                 probe.step(loss=loss)
         return step, probe
 
-    def setup_big(on: bool, sparse: bool, rows: int = 1_000_000, dim: int = 32, batch: int = 1024,
+    def setup_big(on: bool, sparse: bool, rows: int = 1_000_000, dim: int = big_dim, batch: int = 1024,
                   background: bool = True):
         torch.manual_seed(0)
         item = torch.nn.Embedding(rows, dim, sparse=sparse)
@@ -428,9 +429,9 @@ def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str 
     # turns every 100 steps, so that this VM's swings (+-0.05 a repeat of 300 steps run one arm after the
     # other) average out within a repeat.
     cases = [("ML-100k MF, Adam, batch 256", lambda on, bg: setup_ml(on, bg), 5 * steps, "ml"),
-             ("1M x 32 table, dense grads + Adam, batch 1024", lambda on, bg: setup_big(on, False, background=bg),
+             (f"1M x {big_dim} table, dense grads + Adam, batch 1024", lambda on, bg: setup_big(on, False, background=bg),
               max(steps // 20, 5), "dense"),
-             ("1M x 32 table, sparse grads + SparseAdam, batch 1024", lambda on, bg: setup_big(on, True, background=bg),
+             (f"1M x {big_dim} table, sparse grads + SparseAdam, batch 1024", lambda on, bg: setup_big(on, True, background=bg),
               steps, "sparse")]
     cases = [c[:3] for c in cases if c[3] in which]
     arms = {"off": (False, False), "on": (True, True), "inline": (True, False)}
@@ -475,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sink", choices=["http", "memory"], default="http",
                     help="overhead: where the events go (http: a real traindx server, as benchmarks/overhead.py)")
     ap.add_argument("--overhead-cases", default="ml,dense,sparse", help="overhead: which of ml, dense, sparse")
+    ap.add_argument("--big-dim", type=int, default=32, help="overhead: the width of the 1M-row item table (and its "
+                    "10k-row user table) in the dense and sparse cases")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("traindx.probe").setLevel(logging.ERROR)  # the fixes' log lines; the table says it
@@ -490,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         fix_bench(d, seeds, epochs, args.regimes.split(","))
     if args.what in ("all", "overhead"):
         overhead(d, repeats=3 if args.quick else 5, steps=100 if args.quick else 300, report_every=args.report_every,
-                 sink=args.sink, cases=args.overhead_cases)
+                 sink=args.sink, cases=args.overhead_cases, big_dim=args.big_dim)
     return 0
 
 
