@@ -160,10 +160,10 @@ class TableState:
         # and denominator, mean ||g||^2, mean ||mean g||^2, energy per lookup, non-finite flag, then the
         # mean gradient (k) and the previous innovation (k); the properties below name them.
         self._state = torch.zeros(rows, 8 + 2 * self.k, device=dev)
-        pad = {m.padding_idx for m in modules if getattr(m, "padding_idx", None) is not None}
-        self.padding = torch.tensor(sorted(p % rows for p in pad), dtype=torch.long, device=dev)
-        # Tables with equal keys find the same distinct rows in the same lookups (see gather's ``shared``).
-        self.same_rows = (rows, tuple(sorted(p % rows for p in pad)))
+        pad = sorted({m.padding_idx % rows for m in modules if getattr(m, "padding_idx", None) is not None})
+        self.padding = torch.tensor(pad, dtype=torch.long, device=dev)
+        # Tables with equal keys find the same distinct rows in the same lookups (see gather's ``seen``).
+        self.same_rows = (rows, tuple(pad))
         self.sparse = any(getattr(m, "sparse", False) for m in modules)
         self.tracked_steps = 0
         # What a report needs, kept so that it costs O(rows touched since the last report), not O(rows):
