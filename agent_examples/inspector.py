@@ -43,7 +43,7 @@ CACHE = ROOT / ".cache" / "inspector"
 RUN = "conformance"
 
 READ_ONLY = {"list_runs", "get_run", "get_anomalies", "diagnose", "get_fix_status", "compression_recipe",
-             "get_series", "get_timeline", "get_capture"}
+             "get_series", "get_timeline", "get_capture", "get_embeddings"}
 DESTRUCTIVE = {"apply_fix", "revert_fix"}
 IDEMPOTENT = {"propose_fix", "apply_fix", "revert_fix"}
 
@@ -156,12 +156,14 @@ def check_transport(name: str, inspector: Inspector, result: Result) -> None:
     call("propose_prune", run=RUN, target_sparsity=0.5)
     call("measure_sensitivity", run=RUN)
     call("get_series", run=RUN, name="loss", max_points=50)
+    call("get_embeddings", run=RUN)
     call("get_timeline", run=RUN, limit=50)
     capture = call("capture", run=RUN, steps=1, profile=False)
     call("get_capture", run=RUN, capture_id=capture.get("id", "c-1"))
     untested = set(tools) - {"list_runs", "get_run", "get_anomalies", "diagnose", "propose_fix", "apply_fix",
                              "get_fix_status", "revert_fix", "compression_recipe", "propose_prune",
-                             "measure_sensitivity", "get_series", "get_timeline", "capture", "get_capture"}
+                             "measure_sensitivity", "get_series", "get_timeline", "capture", "get_capture",
+                             "get_embeddings"}
     result.check(f"{name} every listed tool was called", not untested, f"not called: {sorted(untested)}")
 
     # The CLI exits 5 for a tool error and still prints the result.

@@ -185,6 +185,41 @@ def register(main: click.Group) -> None:
 
         c.run(f"/v1/runs/{run}/fixes", show, status=status, anomaly_id=anomaly_id, limit=500)
 
+    @main.command()
+    @click.argument("run")
+    @click.option("--table", "table_name", help="One table: item.weight, or item.")
+    @click.option("--rows", type=click.IntRange(0, 512), default=10, show_default=True,
+                  help="Worst rows listed per table.")
+    @_options
+    def embeddings(run: str, table_name: str | None, rows: int, server: str, fmt: str | None) -> None:
+        """A run's embedding tables as last reported: rows never updated or non-finite, update counts,
+        collapse statistics, and the rows most like zombies (noisy, reversing updates)."""
+        c = _Cmd(server, fmt)
+
+        def show() -> str:
+            got = c.client.embeddings(run, table=table_name, rows=rows)
+            if not got.tables:
+                return (f"no embedding tables reported in {run} (the embeddings collection is off, or the model "
+                        "has no nn.Embedding / nn.EmbeddingBag)")
+            out = [table(["TABLE", "RANK", "STEP", "ROWS", "DIM", "UPDATED", "NEVER", "NONFINITE", "MEDIAN UPD",
+                          "EFF RANK", "MEAN COS"],
+                         [[t.name, t.rank, t.step, t.summary.rows, t.summary.dim, t.summary.touched_rows,
+                           t.summary.never_updated, t.summary.nonfinite_rows, t.summary.median_touches,
+                           t.summary.effective_rank, t.summary.mean_cosine] for t in got.tables])]
+            for t in got.tables:
+                if t.summary.zombies:
+                    out += ["", f"{t.name} (rank {t.rank}): rows most like zombies, worst first",
+                            table(["ROW", "UPDATES", "NOISE", "CONSISTENCY", "SNR", "VELOCITY"],
+                                  [[r.row, r.touches, r.noise, r.consistency, r.snr, r.velocity]
+                                   for r in t.summary.zombies])]
+                if t.summary.dead_ids:
+                    shown = ", ".join(str(i) for i in t.summary.dead_ids)
+                    more = t.summary.never_updated - len(t.summary.dead_ids)
+                    out += ["", f"{t.name}: never updated: {shown}" + (f" (+{more} more)" if more > 0 else "")]
+            return "\n".join(out)
+
+        c.run(f"/v1/runs/{run}/embeddings", show, table=table_name, rows=rows)
+
     def _fix_table(fs: list) -> str:
         return table(["ID", "ACTION", "PARAMS", "STATUS", "RATIONALE"],
                      [[f.id, f.action, " ".join(f"{k}={_fmt(v)}" for k, v in f.params.items()), f.status,

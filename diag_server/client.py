@@ -28,8 +28,8 @@ from typing import Any, Iterator, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from schemas.records import (Anomaly, AnomalyPage, AuditPage, CompressionRecipe, Diagnosis, Error, Fix, FixList,
-                             FixPage, Heatmap, RunHistory, RunPage, RunSummary, Series, SeriesSet)
+from schemas.records import (Anomaly, AnomalyPage, AuditPage, CompressionRecipe, Diagnosis, EmbeddingTables, Error, Fix,
+                             FixList, FixPage, Heatmap, RunHistory, RunPage, RunSummary, Series, SeriesSet)
 
 DEFAULT_SERVER = "http://127.0.0.1:8765"
 M = TypeVar("M", bound=BaseModel)
@@ -180,6 +180,11 @@ class Client:
     def heatmap(self, run: str, *, collection: str = "gradients", field: str = "norm", max_steps: int = 200) -> Heatmap:
         return self._call(Heatmap, "GET", f"/v1/runs/{run}/heatmap", collection=collection, field=field,
                           max_steps=max_steps)
+
+    def embeddings(self, run: str, *, table: str | None = None, rows: int = 20) -> EmbeddingTables:
+        """The run's embedding tables as last reported (``table``: one of them, 'item.weight' or 'item'),
+        every list of worst rows cut to ``rows``."""
+        return self._call(EmbeddingTables, "GET", f"/v1/runs/{run}/embeddings", table=table, rows=rows)
 
     def compression(self, run: str, target_sparsity: float = 0.8) -> CompressionRecipe:
         return self._call(CompressionRecipe, "GET", f"/v1/runs/{run}/compression", target_sparsity=target_sparsity)

@@ -17,9 +17,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas.enums import SCHEMA_VERSION, AnomalyKind, AnomalyStatus, Collection, FixStatus, Severity
-from schemas.events import IngestReply
-from schemas.records import (Anomaly, AnomalyPage, AuditPage, CompressionRecipe, Diagnosis, Error, Fix, FixList, FixPage,
-                             Health, Heatmap, RunHistory, RunPage, RunSummary, Series, SeriesSet)
+from schemas.events import MAX_EMBEDDING_ROWS, IngestReply
+from schemas.records import (Anomaly, AnomalyPage, AuditPage, CompressionRecipe, Diagnosis, EmbeddingTables, Error, Fix,
+                             FixList, FixPage, Health, Heatmap, RunHistory, RunPage, RunSummary, Series, SeriesSet)
 
 from . import compression, diagnosis, fixes, queries, views
 from .errors import ApiError
@@ -257,6 +257,15 @@ def build_router(services: Services) -> APIRouter:
         return respond(request, queries.series(store, run, name, collection=collection.value if collection else None,
                                                field=field, max_points=max_points, min_step=min_step,
                                                max_step=max_step, rank=rank))
+
+    @r.get("/v1/runs/{run}/embeddings", response_model=EmbeddingTables, tags=["embeddings"],
+           summary="The run's embedding tables as last reported: counts, collapse statistics, worst rows")
+    def embeddings(request: Request, run: str,
+                   table: Annotated[str | None, Query(description="One table: 'item.weight' or 'item'.")] = None,
+                   rows: Annotated[int, Query(ge=0, le=MAX_EMBEDDING_ROWS, description="Most rows listed per list "
+                                                                                     "(zombies, rarest, dead, non-finite).")] = 20,
+                   ) -> Response:
+        return respond(request, queries.embeddings(store, run, table=table, rows=rows))
 
     @r.get("/v1/runs/{run}/scalars", response_model=SeriesSet, tags=["series"],
            summary="Several scalar series for one chart: loss and user scalars, sys/ step times, memory")

@@ -69,6 +69,7 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
     last_step = 0
     scalar_rows: list[tuple[Any, ...]] = []
     stat_rows: list[tuple[Any, ...]] = []
+    table_rows: list[tuple[Any, ...]] = []
     span_events: list[Spans] = []
     for ev in batch.events:
         last_step = max(last_step, ev.step)
@@ -82,6 +83,9 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
             collection = ev.collection.value
             obs.stats.setdefault(collection, {})[ev.step] = rows
             stat_rows.extend((run, ev.step, collection, *_stat_values(r), rank) for r in rows)
+            # an embedding table's latest summary, for GET /v1/runs/{run}/embeddings (older reports: the rules')
+            table_rows.extend((run, rank, r["name"], ev.step, orjson.dumps(r["embedding"]))
+                              for r in rows if r.get("embedding") is not None)
         elif isinstance(ev, RunStart):
             if ranks.started(conn, run, rank, ev):
                 conn.execute("UPDATE runs SET start=?, ended=0 WHERE run=?", (ev.model_dump_json(), run))
@@ -117,6 +121,9 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
     conn.executemany("INSERT INTO scalars(run, step, name, value, time, rank) VALUES (?,?,?,?,?,?)", scalar_rows)
     conn.executemany(f"INSERT INTO stats(run, step, collection, tensor, {', '.join(STAT_COLUMNS)}, rank) "
                      f"VALUES ({', '.join('?' * (5 + len(STAT_COLUMNS)))})", stat_rows)
+    conn.executemany("INSERT INTO embedding_tables(run, rank, name, step, summary) VALUES (?,?,?,?,?) "
+                     "ON CONFLICT(run, rank, name) DO UPDATE SET step=excluded.step, summary=excluded.summary "
+                     "WHERE excluded.step >= embedding_tables.step", table_rows)
     obs.spans = ranks.store_spans(conn, run, rank, span_events)
     obs.world_size = ranks.world_size(conn, run)
     conn.execute("UPDATE runs SET last_step=max(last_step, ?) WHERE run=?", (last_step, run))

@@ -9,9 +9,9 @@ from typing import Any, Iterable
 import orjson
 
 from schemas.enums import AnomalyKind, AnomalyStatus, FixStatus, Severity
-from schemas.records import (Anomaly, AnomalyPage, AuditEntry, AuditPage, AuditTrail, Fix, FixList, FixPage, Run,
-                             RunList, RunMessage, RunPage, RunSummary,
-                             Series, SeriesPoint)
+from schemas.events import MAX_EMBEDDING_ROWS, EmbeddingSummary
+from schemas.records import (Anomaly, AnomalyPage, AuditEntry, AuditPage, AuditTrail, EmbeddingTable, EmbeddingTables,
+                             Fix, FixList, FixPage, Run, RunList, RunMessage, RunPage, RunSummary, Series, SeriesPoint)
 
 from .errors import ApiError
 from .store import STAT_COLUMNS, Store
@@ -287,3 +287,28 @@ def series(store: Store, run: str, name: str, *, max_points: int = 500, collecti
                                     (run, collection, name, lo, hi, *extra), max_points)
     return Series(run=run, name=name, points=[SeriesPoint(step=s, value=v) for s, v in kept],
                   downsampled=len(kept) < total)
+
+
+def embeddings(store: Store, run: str, *, table: str | None = None, rows: int = 20) -> EmbeddingTables:
+    """The run's embedding tables as their latest reports described them, every list cut to ``rows``; ``table``
+    picks one (its parameter name, or its module's: 'item' for 'item.weight')."""
+    if not 0 <= rows <= MAX_EMBEDDING_ROWS:
+        raise ApiError(422, "invalid_parameter", f"rows must be in [0, {MAX_EMBEDDING_ROWS}], got {rows}")
+    conn = store.read()
+    require_run(conn, run)
+    found = conn.execute("SELECT name, rank, step, summary FROM embedding_tables WHERE run=? ORDER BY name, rank",
+                         (run,)).fetchall()
+    if table is not None:
+        names = sorted({r["name"] for r in found})
+        found = [r for r in found if r["name"] in (table, f"{table}.weight")]
+        if not found:
+            raise ApiError(404, "unknown_table", f"run {run!r} reported no embedding table {table!r}; it reported: "
+                           + (", ".join(names) if names else "none (is the embeddings collection on?)"))
+    tables = []
+    for r in found:
+        summary = orjson.loads(r["summary"])
+        for key in ("zombies", "rarest", "dead_ids", "nonfinite_ids"):
+            summary[key] = summary.get(key, [])[:rows]
+        tables.append(EmbeddingTable(name=r["name"], rank=r["rank"], step=r["step"],
+                                     summary=EmbeddingSummary.model_validate(summary)))
+    return EmbeddingTables(run=run, rows=rows, tables=tables)

@@ -26,7 +26,8 @@ log = logging.getLogger("traindx.server")
 
 EXPORT_BATCH_EVENTS = 500  # well inside MAX_EVENTS_PER_BATCH and the ingest body limit
 WARN_FRACTION = 0.8  # warn from 80% of the cap: room for the runs in flight while someone cleans up
-_RUN_TABLES = ("scalars", "stats", "messages", "anomalies", "fixes", "audit", "rule_state", "batches", "runs")
+_RUN_TABLES = ("scalars", "stats", "messages", "anomalies", "fixes", "audit", "rule_state", "embedding_tables",
+               "batches", "runs")
 _STAT_FIELDS = ("numel", "norm", "mean", "std", "min", "max", "nan_count", "inf_count", "zero_frac", "dead_frac",
                 "saturated_frac", "update_ratio")
 

@@ -63,6 +63,8 @@ CREATE INDEX IF NOT EXISTS audit_by_run ON audit(run, time);
 CREATE TABLE IF NOT EXISTS layer_profiles(
     run TEXT, source TEXT, name TEXT, step INTEGER, data TEXT, PRIMARY KEY(run, source, name));
 CREATE TABLE IF NOT EXISTS rule_state(run TEXT, rule TEXT, state TEXT, PRIMARY KEY(run, rule));
+CREATE TABLE IF NOT EXISTS embedding_tables(
+    run TEXT, rank INTEGER, name TEXT, step INTEGER, summary TEXT, PRIMARY KEY(run, rank, name));
 CREATE TABLE IF NOT EXISTS snapshots(
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, anomaly_id TEXT, tensors TEXT, status TEXT,
     created_at REAL, updated_at REAL, step INTEGER);

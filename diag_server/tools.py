@@ -17,7 +17,9 @@ from mcp_types import ToolAnnotations
 from pydantic import Field
 
 from schemas.enums import AnomalyKind, AnomalyStatus, Severity
-from schemas.records import AnomalyPage, CompressionRecipe, Diagnosis, Fix, FixList, RunList, RunSummary, Series
+from schemas.events import MAX_EMBEDDING_ROWS
+from schemas.records import (AnomalyPage, CompressionRecipe, Diagnosis, EmbeddingTables, Fix, FixList, RunList, RunSummary,
+                             Series)
 
 from . import compression, diagnosis, fixes, queries
 from .errors import ApiError
@@ -180,6 +182,20 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         """One metric over steps, downsampled to at most max_points."""
         return await _call(queries.series, store, run, name, collection=collection, field=field,
                            max_points=max_points, rank=rank)
+
+    @tool(_READ)
+    async def get_embeddings(
+        run: RunArg,
+        table: Annotated[str | None, Field(description="One table: 'item.weight' or 'item'; omit for every table.")] = None,
+        rows: Annotated[int, Field(ge=0, le=MAX_EMBEDDING_ROWS, description="Most rows listed per list.")] = 20,
+    ) -> EmbeddingTables:
+        """The run's embedding tables (nn.Embedding / EmbeddingBag, the 'embeddings' collection) as their latest
+        report described them: rows touched and never updated, non-finite rows, median update count, the
+        effective rank and mean pairwise cosine of sampled rows (collapse), and the worst rows of each kind with
+        their update frequency, velocity, direction consistency, temporal SNR and per-lookup noise: 'zombies'
+        (noisy rows whose updates reverse, worst first), 'rarest', 'dead_ids', 'nonfinite_ids'. Use it to look
+        at a table a zombie_embedding, dead_embedding or embedding_collapse anomaly names."""
+        return await _call(queries.embeddings, store, run, table=table, rows=rows)
 
     @server.resource("traindx://runs/{run}/report", mime_type="text/plain",
                      description="The run's diagnosis as a report a person can read.")

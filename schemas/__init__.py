@@ -44,6 +44,8 @@ from .records import (
     Cause,
     CompressionRecipe,
     Diagnosis,
+    EmbeddingTable,
+    EmbeddingTables,
     Error,
     Fix,
     FixList,
@@ -77,7 +79,8 @@ __all__ = [
     # distributed runs and the execution-context timeline
     "CaptureCommand", "CaptureResult", "ModuleShape", "OpStat", "Span", "Spans", "Capture", "CaptureList",
     "CaptureRank", "OpSummary", "RankInfo", "ShapeInfo", "Timeline", "TimelineSpan",
-    "Anomaly", "AnomalyPage", "AuditEntry", "AuditPage", "AuditTrail", "Cause", "CompressionRecipe", "Diagnosis", "Error",
+    "Anomaly", "AnomalyPage", "AuditEntry", "AuditPage", "AuditTrail", "Cause", "CompressionRecipe", "Diagnosis",
+    "EmbeddingTable", "EmbeddingTables", "Error",
     "Fix", "FixList", "FixPage", "Health", "Heatmap", "HistoryEntry", "LayerRecipe", "Run", "RunHistory", "RunList", "RunMessage", "RunPage",
     "RunSummary", "Series", "SeriesPoint", "SeriesSet",
 ]

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .enums import AnomalyKind, AnomalyStatus, FixAction, FixStatus, Severity
-from .events import Finite, Number, Params, RunId, TensorSlice, Time
+from .events import MAX_EMBEDDING_ROWS, EmbeddingSummary, Finite, Number, Params, RunId, TensorSlice, Time
 
 
 class _Record(BaseModel):
@@ -345,3 +345,22 @@ class Capture(_Record):
 class CaptureList(_Record):
     run: RunId
     captures: list[Capture]
+
+
+class EmbeddingTable(_Record):
+    """One embedding table as its latest report described it (the embeddings collection)."""
+
+    name: str = Field(description="The table's parameter, e.g. 'item.weight'.")
+    rank: int = Field(0, ge=0, description="The process that reported it (0 in a one-process run).")
+    step: int = Field(ge=0, description="The step of the report.")
+    summary: EmbeddingSummary = Field(description="Counts, collapse statistics and the worst rows of each kind, "
+                                      "each list cut to the request's ``rows``.")
+
+
+class EmbeddingTables(_Record):
+    """A run's embedding tables as last reported (GET /v1/runs/{run}/embeddings, get_embeddings)."""
+
+    run: RunId
+    rows: int = Field(ge=0, le=MAX_EMBEDDING_ROWS, description="Most rows listed in each of a table's lists.")
+    tables: list[EmbeddingTable] = Field(description="By name, then rank; empty when the run sent no embeddings "
+                                         "report (the collection is off, or the model has no embedding table).")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sqlite3
 import time
 from types import SimpleNamespace
 
@@ -942,6 +943,35 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
     zombie = by_kind["zombie_embedding"]
     assert sorted(int(r) for r in zombie["evidence"]["rows"]) == [3, 17, 29]
     assert zombie["tensors"] == ["table.weight"]
+
+    # The table as its latest report described it, over HTTP (JSON and XML) and MCP, its lists cut to ``rows``.
+    tables = httpx.get(f"{base}/embeddings", params={"rows": 3}, headers=AUTH).json()
+    assert tables["rows"] == 3 and [(t["name"], t["step"]) for t in tables["tables"]] == [("table.weight", 80)]
+    summary = tables["tables"][0]["summary"]
+    assert summary["rows"] == 40 and summary["never_updated"] == 2 and summary["dead_ids"] == [5, 33]
+    assert sorted(r["row"] for r in summary["zombies"]) == [3, 17, 29] and len(summary["rarest"]) == 3
+    xml = httpx.get(f"{base}/embeddings", params={"table": "table", "format": "xml"}, headers=AUTH)
+    assert xml.status_code == 200 and b"<EmbeddingTables" in xml.content and xml.content.count(b"<zombies") == 20
+    missing = httpx.get(f"{base}/embeddings", params={"table": "user"}, headers=AUTH)
+    assert missing.status_code == 404 and "it reported: table.weight" in missing.json()["message"]
+
+    async def over_mcp() -> dict:
+        from agent_examples.scripted_agent import connect
+        async with connect(f"{server.url}/mcp") as mcp:
+            return (await mcp.call_tool("get_embeddings", {"run": "emb-e2e", "rows": 3})).structured_content
+
+    import asyncio
+    assert asyncio.run(over_mcp()) == tables
+    from click.testing import CliRunner  # and for people, as a table
+    from diag_server.cli import main
+    env = {"TRAINDX_SERVER": server.url, "TRAINDX_TOKEN": server.token}
+    out = CliRunner().invoke(main, ["embeddings", "emb-e2e", "--rows", "3"], env=env, catch_exceptions=False).output
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["TABLE", "RANK", "STEP"] and lines[2].split()[:8] == ["table.weight", "0", "80",
+                                                                                         "40", "2", "38", "2", "0"]
+    at = lines.index("table.weight (rank 0): rows most like zombies, worst first")
+    assert sorted(int(line.split()[0]) for line in lines[at + 3:at + 6]) == [3, 17, 29]
+    assert "table.weight: never updated: 5, 33" in lines
     fixes = httpx.post(f"{base}/anomalies/{zombie['id']}/propose", headers=AUTH).json()["fixes"]
     assert [f["action"] for f in fixes] == ["embedding_grad_scale"] * 2
     assert fixes[0]["params"]["table"] == "table.weight" and "rows" not in fixes[0]["params"]  # the whole table
@@ -970,6 +1000,10 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
         time.sleep(0.05)
     assert status["status"] == "reverted"
     probe.close()
+    with server.client() as c:  # deleting the run deletes its tables' reports too
+        assert c.delete("/v1/runs/emb-e2e").status_code == 204
+    with sqlite3.connect(server.data_dir / "traindx.sqlite") as db:
+        assert db.execute("SELECT count(*) FROM embedding_tables WHERE run='emb-e2e'").fetchone() == (0,)
 
 
 # -- the batched fold against the step-by-step update ---------------------------------------------------------

@@ -33,6 +33,7 @@ TOOL_ROUTES = {
     "revert_fix": ("POST", "/v1/runs/{run}/fixes/{fix_id}/revert"),
     "compression_recipe": ("GET", "/v1/runs/{run}/compression"),
     "get_series": ("GET", "/v1/runs/{run}/series/{name}"),
+    "get_embeddings": ("GET", "/v1/runs/{run}/embeddings"),
     "propose_prune": ("POST", "/v1/runs/{run}/compression/prune"),
     "measure_sensitivity": ("POST", "/v1/runs/{run}/compression/sensitivity"),
     "capture": ("POST", "/v1/runs/{run}/captures"),
@@ -58,7 +59,8 @@ def test_every_mcp_tool_has_an_http_route_that_answers_the_same(srv: ServerProce
             names = [t.name for t in (await mcp.list_tools()).tools]
             calls = {"list_runs": {}, "get_run": {"run": RUN}, "diagnose": {"run": RUN},
                      "get_anomalies": {"run": RUN, "limit": 50},
-                     "get_series": {"run": RUN, "name": "loss", "max_points": 50}}
+                     "get_series": {"run": RUN, "name": "loss", "max_points": 50},
+                     "get_embeddings": {"run": RUN}}
             return names, {n: (await mcp.call_tool(n, args)).structured_content for n, args in calls.items()}
 
     names, answers = asyncio.run(tools())
@@ -67,7 +69,8 @@ def test_every_mcp_tool_has_an_http_route_that_answers_the_same(srv: ServerProce
     for method, path in TOOL_ROUTES.values():
         assert method.lower() in paths[path], f"{method} {path} is not in /openapi.json"
     http = {"list_runs": "/v1/runs", "get_run": f"/v1/runs/{RUN}", "diagnose": f"/v1/runs/{RUN}/diagnosis",
-            "get_anomalies": f"/v1/runs/{RUN}/anomalies?limit=50", "get_series": f"/v1/runs/{RUN}/series/loss?max_points=50"}
+            "get_anomalies": f"/v1/runs/{RUN}/anomalies?limit=50", "get_series": f"/v1/runs/{RUN}/series/loss?max_points=50",
+            "get_embeddings": f"/v1/runs/{RUN}/embeddings"}
     for name, path in http.items():
         body = get(srv, path).json()
         mine = answers[name]
@@ -85,6 +88,7 @@ GET_ROUTES = [
     (f"/v1/runs/{RUN}/series/sys/step_time", "Series"),
     (f"/v1/runs/{RUN}/series/0.weight?collection=gradients&field=norm", "Series"),
     (f"/v1/runs/{RUN}/scalars", "SeriesSet"), (f"/v1/runs/{RUN}/stats?collection=updates&field=update_ratio", "SeriesSet"),
+    (f"/v1/runs/{RUN}/embeddings", "EmbeddingTables"), (f"/v1/runs/{RUN}/embeddings?table=nope", "Error"),
     (f"/v1/runs/{RUN}/heatmap", "Heatmap"), (f"/v1/runs/{RUN}/compression?target_sparsity=0.5", "CompressionRecipe"),
     (f"/v1/runs/{RUN}/nope", "Error"), (f"/v1/runs/missing/anomalies", "Error"),
 ]
