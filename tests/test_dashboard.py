@@ -81,6 +81,7 @@ def test_live_run_page_charts_anomalies_filters_and_a_fix_from_the_page(live, br
     time_series = page.evaluate("traindx.charts.time.series.slice(1).map(s => s.label)")
     assert {"sys/data_wait", "sys/forward", "sys/backward", "sys/optimizer"} <= set(time_series)
     assert count(page, "#anomalies tbody tr[data-kind='nonfinite']") == 0
+    assert page.locator("#embeddings-panel").is_hidden()  # an MLP: no embedding table to show
 
     # A message about the job (here: its probe degraded) shows on the open page, as text.
     text = "<b>the probe stopped sampling</b> after 20 internal errors"
@@ -150,6 +151,36 @@ def test_live_run_page_charts_anomalies_filters_and_a_fix_from_the_page(live, br
     assert asked and asked[0]["actor"] == "person:tester"
     assert acked, "the job never acknowledged the fix"
     assert errors == []
+    page.close()
+
+
+def test_a_recommender_run_shows_its_embedding_tables(live, browser) -> None:
+    """A run with embedding tables: the page lists each table's latest report, with its zombie-like rows."""
+    import torch
+
+    import probes
+    from tests.test_embeddings import Toy, train
+
+    srv, _ = live
+    torch.manual_seed(0)
+    model = Toy(rows=40, dim=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    run = "dash-recsys"
+    probe = probes.attach(model, opt, server=srv.url, run=run, token=PEOPLE_TOKEN, collections={"embeddings": 20})
+    ids = torch.tensor([i for i in range(40) if i not in (5, 33)])
+    train(model, probe, 81, ids=ids, zombies={3, 17, 29}, opt=opt)
+    assert probe.flush()
+    probe.close()
+    page = browser.new_page(viewport={"width": 1300, "height": 1400})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{srv.url}/runs/{run}")
+    row = page.locator("#embeddings tbody tr[data-table='table.weight']")
+    row.wait_for(timeout=WAIT_MS)
+    cells = row.locator("td").all_inner_texts()
+    assert cells[:6] == ["table.weight", "80", "40", "38", "2", "0"]
+    assert sorted(int(z.split(":")[0]) for z in cells[-1].split(" · ")[:3]) == [3, 17, 29]
+    assert page.locator("#embeddings-panel").is_visible() and errors == []
     page.close()
 
 

@@ -193,12 +193,13 @@ function timeline(target, entries) {
 
 async function drawCharts() {
   const r = enc(state.run);
-  const [scalars, sys, heat, updates, hist] = await Promise.all([
+  const [scalars, sys, heat, updates, hist, tables] = await Promise.all([
     api(`/v1/runs/${r}/scalars?max_points=400`),
     api(`/v1/runs/${r}/scalars?prefix=sys/&max_points=400`),
     api(`/v1/runs/${r}/heatmap?collection=gradients&field=norm&max_steps=150`),
     api(`/v1/runs/${r}/stats?collection=updates&field=update_ratio&max_points=300`),
     api(`/v1/runs/${r}/history?limit=500`),
+    api(`/v1/runs/${r}/embeddings?rows=5`),
   ]);
   const user = scalars.series.filter((s) => !s.name.startsWith("sys/") && !s.name.startsWith("lr/"));
   const phases = ["sys/data_wait", "sys/forward", "sys/backward", "sys/optimizer", "sys/step_time"];
@@ -215,6 +216,24 @@ async function drawCharts() {
   lineChart("time", "#chart-time", time);
   lineChart("memory", "#chart-memory", memory, { height: 150 });
   timeline("#chart-timeline", hist.entries);
+  embeddingTables(tables.tables);
+}
+
+// The run's embedding tables as last reported (the embeddings collection): one row a table, and the rows
+// most like zombies under it. Hidden when the run reports none.
+function embeddingTables(tables) {
+  const cols = ["table", "step", "rows", "updated", "never updated", "non-finite", "median updates", "eff. rank",
+                "mean cos", "rows most like zombies (row: noise, consistency)"];
+  $("#embeddings tbody").replaceChildren(...tables.map((t) => {
+    const s = t.summary;
+    const worst = s.zombies.map((z) => `${z.row}: ${fmt(z.noise)}, ${fmt(z.consistency)}`).join(" · ");
+    return el("tr", { "data-table": t.name, "data-rank": String(t.rank) },
+      ...[t.rank ? `${t.name} (rank ${t.rank})` : t.name, t.step, s.rows, s.touched_rows, s.never_updated,
+          s.nonfinite_rows, s.median_touches, s.effective_rank, s.mean_cosine, worst || "-"]
+        .map((v) => el("td", {}, typeof v === "string" ? v : v === null ? "-" : fmt(v)))); // null: not measured
+  }));
+  $("#embeddings thead").replaceChildren(el("tr", {}, ...cols.map((c) => el("th", {}, c))));
+  $("#embeddings-panel").hidden = !tables.length;
 }
 
 // -- anomalies, evidence, diagnosis, fixes ------------------------------------------------------------
