@@ -755,6 +755,38 @@ def test_collapse_rule_fires_on_collapsed_rows_only() -> None:
             assert found[0].evidence["mean_cosine"] > 0.9
 
 
+def test_zombie_rule_fires_on_rows_past_its_thresholds_in_consecutive_reports_only() -> None:
+    """A row whose statistics cross the thresholds for one report is noise in its EMAs; a zombie stays past
+    them. The rule names rows that qualify in ``reports`` consecutive reports, remembered across batches
+    (the engine's JSON state), and forgets a table that stops being judged."""
+    import orjson
+
+    def report(step: int, noisy: set[int], median: float = 100.0) -> Observations:
+        rows = [{"row": r, "touches": 200, "velocity": 0.1, "consistency": -0.3 if r in noisy else 0.2,
+                 "snr": 0.05, "noise": 4.0 if r in noisy else 1.0} for r in range(10)]
+        summary = {"rows": 1000, "median_touches": median, "zombies": sorted(rows, key=lambda r: -r["noise"])}
+        return Observations(run="r", stats={"embeddings": {step: [{"name": "t.weight", "embedding": summary}]}})
+
+    rule, state = ZombieEmbedding(), {}
+
+    def see(obs: Observations) -> list:
+        nonlocal state
+        found = rule.observe(state, obs)
+        state = orjson.loads(orjson.dumps(state))  # as the engine keeps it between batches
+        return found
+
+    assert see(report(100, {1, 2, 3, 4})) == []  # once: not yet
+    found = see(report(200, {2, 3, 4, 5}))  # rows 2, 3, 4 qualify twice running; 1 and 5 once
+    assert len(found) == 1 and sorted(found[0].evidence["rows"]) == [2, 3, 4] and found[0].evidence["zombie_rows"] == 3
+    assert see(report(300, {6, 7, 8})) == []  # new rows, each once
+    assert see(report(400, {6, 7, 8}, median=10.0)) == []  # too early to judge: the table's history is dropped
+    assert see(report(500, {6, 7, 8})) == []
+    both = report(600, {6, 7, 8})  # two reports in one batch count as two
+    both.stats["embeddings"].update(report(700, {6, 7, 8}).stats["embeddings"])
+    assert [sorted(f.evidence["rows"]) for f in see(both)] == [[6, 7, 8]]
+    assert ZombieEmbedding(reports=1).observe({}, report(100, {1, 2, 3}))  # reports=1: one report is enough
+
+
 def test_rules_ignore_other_collections_and_round_trip_state() -> None:
     obs = Observations(run="r", stats={"weights": {0: [{"name": "w", "norm": 1.0}]}})
     for rule in (ZombieEmbedding(), DeadEmbedding(), EmbeddingCollapse()):
