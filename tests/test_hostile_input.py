@@ -204,6 +204,12 @@ CORPUS: dict[str, tuple[bytes, dict]] = {
     "nan time": (_batch(**_event(time=None)), {}),
     "sql in a run id": (orjson.dumps({"batch_id": "sql-000001", "run": "r'; DROP TABLE runs;--", "seq": 0,
                                       "events": []}), {}),
+    "embedding summary with a negative row": (_batch(kind="tensor_stats", step=1, time=1.0, collection="embeddings",
+                                                     rows=[{"name": "t.weight", "numel": 8, "embedding": {
+                                                         "rows": 4, "dim": 2, "zombies": [{"row": -1, "touches": 3}]}}]), {}),
+    "embedding summary listing too many rows": (_batch(kind="tensor_stats", step=1, time=1.0, collection="embeddings",
+                                                       rows=[{"name": "t.weight", "numel": 8, "embedding": {
+                                                           "rows": 4, "dim": 2, "dead_ids": list(range(513))}}]), {}),
     "bom prefix": (b"\xef\xbb\xbf" + _batch(**_event()), {}),
     "empty body": (b"", {}),
     "xml entity bomb": (b'<?xml version="1.0"?><!DOCTYPE l [<!ENTITY a "aaaaaaaaaa"><!ENTITY b "&a;&a;&a;&a;&a;&a;'
@@ -236,6 +242,9 @@ def test_mcp_tool_arguments_are_checked(tmp_path: Path) -> None:
         ("apply_fix", {"run": "\u202e", "fix_id": "f-1"}),
         ("propose_fix", {"run": "r", "anomaly_id": "a-1", "extra": [[[[[]]]]]}),
         ("get_run", {}),
+        ("get_embeddings", {"run": "fuzz", "rows": -1}),
+        ("get_embeddings", {"run": "fuzz", "rows": 10**9}),
+        ("get_embeddings", {"run": "fuzz", "table": "'; DROP TABLE embedding_tables;--"}),
     ]
 
     async def go() -> list[bool]:
