@@ -223,6 +223,7 @@ class Probe:
         self._closed = False
         self._errors = 0
         self._logged: set[str] = set()
+        self._bad_scalars: set[str] = set()  # the job's scalars already said not to be numbers (_not_numbers)
         # The losses since the last report: their steps, and the values (probe._held). Two flat lists, so
         # that a step adds no object the garbage collector tracks (a tuple a step, held until the report,
         # made the collector's full passes over a large process come far more often).
@@ -346,8 +347,14 @@ class Probe:
             return
         try:
             at = self._step - 1 if step is None else step
-            values = {k: _as_float(v) for k, v in scalars.items()}
-            self.sender.put({"kind": "scalars", "step": max(at, 0), "time": time.time(), "values": values})
+            by_step: dict[int, dict] = {}
+            bad: list[str] = []
+            for k, v in scalars.items():
+                self._put_scalar(by_step, max(at, 0), k, v, bad)
+            if by_step:
+                self.sender.put({"kind": "scalars", "step": max(at, 0), "time": time.time(), "values": by_step[max(at, 0)]})
+            if bad:
+                self._not_numbers("log", bad)
         except Exception as e:  # noqa: BLE001
             self._degrade("log", e)
 
@@ -591,14 +598,31 @@ class Probe:
         now = time.time()
         self.sender.put_many({"kind": "scalars", "step": s, "time": now, "values": by_step[s]} for s in sorted(by_step))
         if bad:
-            self._degrade("scalars", TypeError(f"not a number, dropped: {', '.join(sorted(set(bad)))}"))
+            self._not_numbers("step", bad)
 
     @staticmethod
     def _put_scalar(by_step: dict, step: int, name: str, value: Any, bad: list[str]) -> None:
+        if value is None:  # no value this step (a validation loss computed every N steps): nothing to send
+            return
         try:
             by_step.setdefault(step, {})[name] = _as_float(value)
         except (TypeError, ValueError, RuntimeError):
             bad.append(name)
+
+    def _not_numbers(self, where: str, names: list[str]) -> None:
+        """Scalars the job passed that are not numbers: dropped and said once per name, as a warning. The
+        job's values, not a failure of the probe: they do not count towards switching sampling off."""
+        new = sorted(set(names) - self._bad_scalars)
+        if not new:
+            return
+        self._bad_scalars.update(new)
+        text = f"probe.{where}(): not a number, dropped: {', '.join(new)} (pass a float, a 0-d tensor, or None for no value)"
+        log.warning("traindx: %s", text)
+        try:
+            self.sender.put({"kind": "message", "step": self._step, "time": time.time(), "level": "warning",
+                             "text": text[:4000]})
+        except Exception:  # noqa: BLE001
+            pass
 
     def _drain_in_flight(self, *, wait: bool) -> None:
         keep = []
@@ -790,10 +814,20 @@ class Probe:
             values = dict(scalars)
             if loss is not None:
                 values["loss"] = loss
+            bad = []
             for k, v in values.items():
+                if v is None:  # no value this step
+                    continue
+                try:
+                    x = v.detach().float() if isinstance(v, torch.Tensor) else float(v)  # summed on device
+                except (TypeError, ValueError, RuntimeError):
+                    bad.append(k)
+                    continue
                 acc = st[5].setdefault(k, [0.0, 0])
-                acc[0] += v.detach().float() if isinstance(v, torch.Tensor) else float(v)  # summed on device
+                acc[0] += x
                 acc[1] += 1
+            if bad:
+                self._not_numbers("step", bad)
             if self._inbox:
                 self._apply_commands(self._step)
         except Exception as e:  # noqa: BLE001

@@ -20,13 +20,13 @@ def _mlp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.05)
 
 
-def _train(probe, model, opt, steps: int) -> None:
+def _train(probe, model, opt, steps: int, **scalars) -> None:
     for _ in range(steps):
         opt.zero_grad()
         loss = model(torch.randn(16, 8)).pow(2).mean()
         loss.backward()
         opt.step()
-        probe.step(loss=loss)
+        probe.step(loss=loss, **scalars)
 
 
 def test_statistics_match_torch():
@@ -163,8 +163,31 @@ def test_a_failure_inside_the_probe_never_reaches_the_loop(caplog):
     with probes.attach(model, opt, run="broken", sink=sink, interval=1) as probe:
         probe.step(loss=object())  # not a number: the probe must log and carry on
         _train(probe, model, opt, 3)
-    assert any(e["kind"] == "message" and e["level"] == "error" for e in sink.events)
+    assert any(e["kind"] == "message" and e["level"] == "warning" and "not a number, dropped: loss" in e["text"]
+               for e in sink.events)
     assert any(e["kind"] == "scalars" and e["values"].get("loss") is not None for e in sink.events)
+
+
+def test_a_scalar_with_no_value_is_skipped_and_a_bad_one_never_switches_sampling_off():
+    """``val_loss=None`` on the steps without a validation pass means no value: nothing is sent and nothing
+    is wrong. A value that is not a number is the job's, not a failure of the probe: it is dropped and said
+    once, and however often it comes it never counts towards switching sampling off."""
+    model, opt = _mlp()
+    sink = MemorySink()
+    with probes.attach(model, opt, run="scalars", sink=sink, interval=1) as probe:
+        for step in range(3 * probes.probe.MAX_ERRORS):
+            val = 0.5 if step % 10 == 0 else None
+            _train(probe, model, opt, 1, val_loss=val, note="epoch 1")
+            probe.log(acc=None, top5="n/a")
+        with probe.mode("eval"):
+            probe.step(loss=None, val_loss=None, tag=object())
+        assert probe.collections and probe._errors == 0  # still sampling
+    vals = [(e["step"], e["values"]["val_loss"]) for e in sink.events if e["kind"] == "scalars" and "val_loss" in e["values"]]
+    assert vals == [(s, 0.5) for s in range(0, 3 * probes.probe.MAX_ERRORS, 10)]
+    assert not any("acc" in e["values"] for e in sink.events if e["kind"] == "scalars")
+    said = [e["text"] for e in sink.events if e["kind"] == "message"]
+    assert len(said) == 3 and all("not a number, dropped" in t for t in said)  # note, top5, tag: once each
+    assert not any(e["kind"] == "message" and e["level"] == "error" for e in sink.events)
 
 
 def test_a_hook_that_raises_inside_forward_or_the_optimizer_step_never_reaches_the_loop(monkeypatch):
