@@ -12,6 +12,8 @@ from typing import Any, Callable, Sequence
 
 import click
 
+from schemas.events import MAX_EMBEDDING_ROWS
+
 from .client import DEFAULT_SERVER, Client, TraindxError
 
 
@@ -188,7 +190,7 @@ def register(main: click.Group) -> None:
     @main.command()
     @click.argument("run")
     @click.option("--table", "table_name", help="One table: item.weight, or item.")
-    @click.option("--rows", type=click.IntRange(0, 512), default=10, show_default=True,
+    @click.option("--rows", type=click.IntRange(0, MAX_EMBEDDING_ROWS), default=10, show_default=True,
                   help="Worst rows listed per table.")
     @_options
     def embeddings(run: str, table_name: str | None, rows: int, server: str, fmt: str | None) -> None:

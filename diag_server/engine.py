@@ -12,15 +12,13 @@ from typing import Any
 
 import orjson
 
-from schemas.enums import AnomalyStatus, FixAction, FixStatus, Severity
+from schemas.enums import AnomalyStatus, FixStatus, Severity
 
+from .fixes import MITIGATIONS
 from .rules import BUILTIN, Finding, Observations, Rule
 from .store import add_message
 
 _SEVERITY_ORDER = {Severity.info.value: 0, Severity.warning.value: 1, Severity.critical.value: 2}
-# Fixes that damp a symptom whose cause stays (the zombie rows' conflicting data, the dead rows' missing
-# lookups): judged on the loss once their window has passed, not on their anomaly clearing.
-MITIGATIONS = frozenset({FixAction.embedding_grad_scale.value})
 
 
 @dataclass

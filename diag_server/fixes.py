@@ -237,6 +237,9 @@ _install_proposers(PROPOSERS)
 
 # Actions the job cannot undo (see probes.fixes.IRREVERSIBLE): revert_fix refuses them up front.
 IRREVERSIBLE = {FixAction.rollback}
+# Actions that damp a symptom whose cause stays (zombie rows' conflicting data, dead rows' missing lookups):
+# the engine takes their verdict on the loss once the window has passed, not on the anomaly clearing.
+MITIGATIONS = {FixAction.embedding_grad_scale}
 # A pending fix the job has not acknowledged after it ran this many sampling intervals (and at least
 # ACK_MIN_STEPS steps) past the request is expired: the job applies commands at its next step boundary,
 # so a live job that keeps stepping without answering is not going to (measurement here: acks arrive

@@ -537,20 +537,9 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
             memcpy(m, &mn8, sizeof mn8);
             if (fin)
                 memcpy(prev, &in8, sizeof in8);
-        } else if (k == 1) { /* a bias table: the loop below on one element, without its arrays */
-            const double g1 = fin ? clean(sk[0]) : 0.0, in1 = g1 - m[0], p1 = prev[0];
-            const double m1 = (1.0 - a_fast) * m[0] + a_fast * g1;
-            dot = in1 * p1;
-            in2 = in1 * in1;
-            pv2 = p1 * p1;
-            gn2 = g1 * g1;
-            msq = m1 * m1;
-            m[0] = (float)m1;
-            if (fin)
-                prev[0] = (float)in1;
         }
         double gs[64], inno[64];
-        for (Py_ssize_t j = 0; j < k && k != 8 && k != 1; j++) {
+        for (Py_ssize_t j = 0; j < k && k != 8; j++) {
             gs[j] = fin ? clean(sk[j]) : 0.0;
             inno[j] = gs[j] - m[j];
             dot += inno[j] * prev[j];
@@ -561,7 +550,7 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
             m[j] = (float)mj;
             msq += mj * mj;
         }
-        if (fin && k != 8 && k != 1)
+        if (fin && k != 8)
             for (Py_ssize_t j = 0; j < k; j++)
                 prev[j] = (float)inno[j];
         const double target[6] = {with_delta ? clean(sqrt((double)step2)) : 0.0, dot, sqrt(in2 * pv2), gn2, msq,
@@ -615,8 +604,9 @@ fastats_track_post(PyObject *Py_UNUSED(self), PyObject *args)
  * installs without this kernel), computed in two passes over the rows that matter: the fixed sample of
  * rows (medians, the share of eligible rows whose updates reverse, the collapse statistics' rows: copied
  * out as float64 for the caller's eigendecomposition, and their mean pairwise cosine) and the candidates
- * (the rows changed since the last report and the previous lists), ranked with a bounded heap. O(sample + candidates x log TOP_ROWS); the torch path's ~100 small operations a table
- * cost more than the arithmetic on the CPU.
+ * (the rows changed since the last report and the previous lists), ranked with a bounded heap.
+ * O(sample + candidates x log TOP_ROWS); the torch path's ~100 small operations a table cost more than the
+ * arithmetic on the CPU.
  *
  * Ties are broken by the lower row id, as the torch path's stable sort of its id-sorted candidates does. */
 

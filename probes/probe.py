@@ -346,13 +346,13 @@ class Probe:
         if self._closed or not scalars:
             return
         try:
-            at = self._step - 1 if step is None else step
+            at = max(self._step - 1 if step is None else step, 0)
             by_step: dict[int, dict] = {}
             bad: list[str] = []
             for k, v in scalars.items():
-                self._put_scalar(by_step, max(at, 0), k, v, bad)
+                self._put_scalar(by_step, at, k, v, bad)
             if by_step:
-                self.sender.put({"kind": "scalars", "step": max(at, 0), "time": time.time(), "values": by_step[max(at, 0)]})
+                self.sender.put({"kind": "scalars", "step": at, "time": time.time(), "values": by_step[at]})
             if bad:
                 self._not_numbers("log", bad)
         except Exception as e:  # noqa: BLE001

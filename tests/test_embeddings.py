@@ -1043,19 +1043,16 @@ def test_a_damping_fix_is_judged_on_the_loss_while_its_zombies_hold(tmp_path, lo
     """Damping zombie rows cannot clear what makes them zombies (their data): their anomaly holding after
     the fix is the expected state. The verdict is taken on the loss once the window has passed: effective
     when it is not worse, ineffective (revert suggested) when it is."""
-    import uuid
-
     from diag_server import fixes as server_fixes
     from diag_server.engine import Engine
-    from diag_server.ingest import ingest
     from diag_server.store import Store
+    from tests.test_rules import _feed
 
     store, engine, run = Store(tmp_path), Engine(), "damped"
     seq = iter(range(10**6))
 
     def feed(*events: dict) -> None:
-        ingest(store, engine, IngestBatch.model_validate({"batch_id": uuid.uuid4().hex, "run": run, "seq": next(seq),
-                                                          "events": list(events)}))
+        _feed(store, engine, run, list(events), next(seq))
 
     def step(at: int, loss: float) -> None:
         zombies = [{"row": r, "touches": 200, "velocity": 0.1, "consistency": -0.3, "snr": 0.05, "noise": 4.0}

@@ -222,8 +222,6 @@ async function drawCharts() {
 // The run's embedding tables as last reported (the embeddings collection): one row a table, and the rows
 // most like zombies under it. Hidden when the run reports none.
 function embeddingTables(tables) {
-  const cols = ["table", "step", "rows", "updated", "never updated", "non-finite", "median updates", "eff. rank",
-                "mean cos", "rows most like zombies (row: noise, consistency)"];
   $("#embeddings tbody").replaceChildren(...tables.map((t) => {
     const s = t.summary;
     const worst = s.zombies.map((z) => `${z.row}: ${fmt(z.noise)}, ${fmt(z.consistency)}`).join(" · ");
@@ -232,7 +230,6 @@ function embeddingTables(tables) {
           s.nonfinite_rows, s.median_touches, s.effective_rank, s.mean_cosine, worst || "-"]
         .map((v) => el("td", {}, typeof v === "string" ? v : v === null ? "-" : fmt(v)))); // null: not measured
   }));
-  $("#embeddings thead").replaceChildren(el("tr", {}, ...cols.map((c) => el("th", {}, c))));
   $("#embeddings-panel").hidden = !tables.length;
 }
 
