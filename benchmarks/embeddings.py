@@ -348,12 +348,21 @@ def _time_arms(step_fns: dict, n: int, block: int) -> dict[str, tuple[float, flo
     return {arm: (wall[arm] / n, cpu[arm] / n) for arm in step_fns}
 
 
-def _attach_embeddings(model, opt, background: bool, report_every: int = 50, server: str | None = None):
+# The overhead arms: no probe; the probe without collections (its own per-step cost: the loss, step
+# times, the sender), which is what "the collection off" leaves; the collection on (its worker where a
+# core is free); on, inline.
+ARMS = ("off", "probe", "on", "inline")
+
+
+def _attach_embeddings(model, opt, arm: str, report_every: int = 50, server: str | None = None):
+    """The probe of an overhead arm (None for "off")."""
+    if arm == "off":
+        return None
     old = Embeddings.background
-    Embeddings.background = background
+    Embeddings.background = arm == "on"
     try:
         where = {"server": server} if server else {"sink": probes.MemorySink()}
-        return probes.attach(model, opt, collections={"embeddings": report_every}, **where)
+        return probes.attach(model, opt, collections={"embeddings": report_every} if arm != "probe" else {}, **where)
     finally:
         Embeddings.background = old
 
@@ -361,7 +370,8 @@ def _attach_embeddings(model, opt, background: bool, report_every: int = 50, ser
 def overhead(d: Data, repeats: int, steps: int, report_every: int = 50, sink: str = "http",
              cases: str = "ml,dense,sparse", big_dim: int = 32) -> None:
     print(f"\n== overhead: step time with the embeddings collection on vs off (tracking every step, a report every "
-          f"{report_every} steps; the arms take turns every 100 steps, medians of the repeats; 'on': the default (the probe's worker thread folds "
+          f"{report_every} steps; the arms take turns every 100 steps, medians of the repeats; 'off': no probe; "
+          f"'probe': the probe attached without collections; 'on': the default (the probe's worker thread folds "
           f"and reports the queued path's tables where a core is free), 'inline': no worker; float32 CPU tables "
           f"are tracked and reported by the native kernel, inline in both "
           f"({'built' if probes.stats._fastats is not None else 'NOT built: the torch path, queued'}); "
@@ -385,11 +395,11 @@ def overhead(d: Data, repeats: int, steps: int, report_every: int = 50, sink: st
 def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str | None, which: list[str],
               big_dim: int = 32) -> None:
 
-    def setup_ml(on: bool, background: bool = True):
+    def setup_ml(arm: str):
         torch.manual_seed(0)
         model = MF(d.n_users, d.n_items, float(d.ratings.mean()))
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        probe = _attach_embeddings(model, opt, background, report_every, server) if on else None
+        probe = _attach_embeddings(model, opt, arm, report_every, server)
         g = torch.Generator().manual_seed(0)
 
         def step():
@@ -402,14 +412,13 @@ def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str 
                 probe.step(loss=loss)
         return step, probe
 
-    def setup_big(on: bool, sparse: bool, rows: int = 1_000_000, dim: int = big_dim, batch: int = 1024,
-                  background: bool = True):
+    def setup_big(arm: str, sparse: bool, rows: int = 1_000_000, dim: int = big_dim, batch: int = 1024):
         torch.manual_seed(0)
         item = torch.nn.Embedding(rows, dim, sparse=sparse)
         user = torch.nn.Embedding(10_000, dim, sparse=sparse)
         model = torch.nn.ModuleDict({"item": item, "user": user})
         opt = torch.optim.SparseAdam(model.parameters(), lr=1e-3) if sparse else torch.optim.Adam(model.parameters(), lr=1e-3)
-        probe = _attach_embeddings(model, opt, background, report_every, server) if on else None
+        probe = _attach_embeddings(model, opt, arm, report_every, server)
         g = torch.Generator().manual_seed(0)
         # Zipf-like popularity, as in recommender logs.
         weights = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 0.8
@@ -428,18 +437,17 @@ def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str 
     # ML-100k's step is ~1 ms: 5x the steps a repeat (15 reports at the default interval), the arms taking
     # turns every 100 steps, so that this VM's swings (+-0.05 a repeat of 300 steps run one arm after the
     # other) average out within a repeat.
-    cases = [("ML-100k MF, Adam, batch 256", lambda on, bg: setup_ml(on, bg), 5 * steps, "ml"),
-             (f"1M x {big_dim} table, dense grads + Adam, batch 1024", lambda on, bg: setup_big(on, False, background=bg),
+    cases = [("ML-100k MF, Adam, batch 256", setup_ml, 5 * steps, "ml"),
+             (f"1M x {big_dim} table, dense grads + Adam, batch 1024", lambda arm: setup_big(arm, False),
               max(steps // 20, 5), "dense"),
-             (f"1M x {big_dim} table, sparse grads + SparseAdam, batch 1024", lambda on, bg: setup_big(on, True, background=bg),
+             (f"1M x {big_dim} table, sparse grads + SparseAdam, batch 1024", lambda arm: setup_big(arm, True),
               steps, "sparse")]
     cases = [c[:3] for c in cases if c[3] in which]
-    arms = {"off": (False, False), "on": (True, True), "inline": (True, False)}
     for label, setup, n in cases:
-        runs = {arm: setup(*how) for arm, how in arms.items()}
+        runs = {arm: setup(arm) for arm in ARMS}
         for fn, _ in runs.values():
             _time_steps(fn, max(n // 5, 5))  # warm up
-        times: dict[str, list[tuple[float, float]]] = {arm: [] for arm in arms}
+        times: dict[str, list[tuple[float, float]]] = {arm: [] for arm in ARMS}
         for _ in range(repeats):
             for arm, t in _time_arms({arm: run[0] for arm, run in runs.items()}, n, block=100).items():
                 times[arm].append(t)
@@ -447,16 +455,23 @@ def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str 
         coll = next(c for c in probe.collections if isinstance(c, Embeddings))
         state_mb = sum(t.state_bytes() for t in coll.tables) / 2**20
         table_mb = sum(t.weight.numel() * t.weight.element_size() for t in coll.tables) / 2**20
-        for arm in ("on", "inline"):
+        for arm in ("probe", "on", "inline"):
             runs[arm][1].close()
-        off = times["off"]
-        cells = [f"off {statistics.median(w for w, _ in off) * 1e3:.3f} ms/step"]
+        off, bare = times["off"], times["probe"]
+
+        def ratios(arm: str, base: list) -> tuple[list[float], list[float]]:
+            return [a[0] / b[0] for a, b in zip(times[arm], base)], [a[1] / b[1] for a, b in zip(times[arm], base)]
+
+        cells = [f"off {statistics.median(w for w, _ in off) * 1e3:.3f} ms/step",
+                 f"probe without collections {statistics.median(w for w, _ in bare) * 1e3:.3f} ms/step "
+                 f"(wall {statistics.median(ratios('probe', off)[0]):.3f}x)"]
         for arm in ("on", "inline"):
-            wall = [a[0] / b[0] for a, b in zip(times[arm], off)]
-            cpu = [a[1] / b[1] for a, b in zip(times[arm], off)]
+            wall, cpu = ratios(arm, off)
             cells.append(f"{arm} {statistics.median(w for w, _ in times[arm]) * 1e3:.3f} ms/step, "
                          f"wall {statistics.median(wall):.3f}x ({', '.join(f'{r:.2f}' for r in wall)}), "
-                         f"CPU {statistics.median(cpu):.3f}x ({', '.join(f'{r:.2f}' for r in cpu)})")
+                         f"CPU {statistics.median(cpu):.3f}x ({', '.join(f'{r:.2f}' for r in cpu)}); "
+                         f"the collection alone (on vs the probe without it): wall "
+                         f"{statistics.median(ratios(arm, bare)[0]):.3f}x")
         print(f"{label}: " + "; ".join(cells) + f"; row state {state_mb:.1f} MB for {table_mb:.1f} MB of tables")
 
 
