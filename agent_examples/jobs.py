@@ -192,3 +192,88 @@ def fault_job(fault: Fault | str, *, run: str, steps: int = 800, pace: float = 0
             probe.close()
         result.wall = time.time() - t0
     return result
+
+
+# -- a recommender: embedding tables ------------------------------------------------------------------
+class MatrixFactorisation(torch.nn.Module):
+    """Global mean + user and item biases + the dot product of user and item vectors (four tables)."""
+
+    def __init__(self, users: int, items: int, dim: int, mean: float) -> None:
+        super().__init__()
+        self.user, self.item = torch.nn.Embedding(users, dim), torch.nn.Embedding(items, dim)
+        self.user_bias, self.item_bias = torch.nn.Embedding(users, 1), torch.nn.Embedding(items, 1)
+        for table in (self.user, self.item):
+            torch.nn.init.normal_(table.weight, std=0.1)
+        for table in (self.user_bias, self.item_bias):
+            torch.nn.init.zeros_(table.weight)
+        self.register_buffer("mean", torch.tensor(mean))
+
+    def forward(self, u: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return (self.mean + self.user_bias(u).squeeze(1) + self.item_bias(i).squeeze(1)
+                + (self.user(u) * self.item(i)).sum(1))
+
+
+RECOMMENDER_ALLOW: dict[str, dict] = {"embedding_grad_scale": {}, "lr_scale": {}, "grad_clip": {}}
+
+
+def recommender_job(*, run: str, steps: int = 900, toggling: int = 8, pace: float = 0.004, seed: int = 0,
+                    interval: int = 20, users: int = 300, items: int = 200, batch: int = 128,
+                    allow: Any = None, probe_kwargs: dict[str, Any] | None = None, attach: bool = True,
+                    stop: threading.Event | None = None) -> JobResult:
+    """A matrix-factorisation recommender on synthetic ratings (Zipf-popular items, a hidden 8-dim taste
+    per user and item, noise 0.3), trained with Adam 1e-2, the probe's default collections plus
+    ``embeddings``. The fault: for the ``toggling`` most popular items a broken join alternates each
+    label between r and 6 - r every time the item is seen, so those items' rows are pulled back and forth
+    and learn nothing (zombies). ``final_loss``: MSE on held-out clean ratings at the end."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    taste_u, taste_i = torch.randn(users, 8, generator=gen), torch.randn(items, 8, generator=gen)
+    popularity = 1.0 / torch.arange(1, items + 1, dtype=torch.float64) ** 0.6
+
+    def ratings(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        u = torch.randint(0, users, (n,), generator=g)
+        i = torch.multinomial(popularity, n, replacement=True, generator=g)
+        r = (3.5 + 0.35 * (taste_u[u] * taste_i[i]).sum(1) + 0.3 * torch.randn(n, generator=g)).clamp(1.0, 5.0)
+        return u, i, r
+
+    eval_u, eval_i, eval_r = ratings(2048, torch.Generator().manual_seed(seed + 2))
+    model = MatrixFactorisation(users, items, 16, 3.5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    result = JobResult(run=run)
+    faulty = set(range(toggling))  # item ids are in popularity order
+    seen: dict[int, int] = {}
+    probe = probes.attach(model, opt, run=run, interval=interval,
+                          collections=[*probes.probe.DEFAULT_COLLECTIONS, "embeddings"],
+                          allow=RECOMMENDER_ALLOW if allow is None else allow, **(probe_kwargs or {})) if attach else None
+    t0 = time.time()
+    try:
+        for step in range(steps):
+            if stop is not None and stop.is_set():
+                break
+            u, i, r = ratings(batch, gen)
+            for pos, item in enumerate(i.tolist()):
+                if item in faulty:
+                    k = seen.get(item, 0)
+                    if k % 2:
+                        r[pos] = 6.0 - r[pos]
+                    seen[item] = k + 1
+            loss = ((model(u, i) - r) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if pace:
+                time.sleep(pace)  # stands in for a real model's compute (inside the step, not data wait)
+            opt.step()
+            if probe is not None:
+                probe.step(loss=loss)
+            result.losses.append(loss.item())
+            result.lrs.append(float(opt.param_groups[0]["lr"]))
+            result.times.append(time.time())
+        with torch.no_grad():
+            result.final_loss = float(((model(eval_u, eval_i) - eval_r) ** 2).mean())
+    except BaseException as e:  # noqa: BLE001 - reported to the caller, who runs us in a thread
+        result.error = e
+    finally:
+        if probe is not None:
+            probe.close()
+        result.wall = time.time() - t0
+    return result

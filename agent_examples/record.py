@@ -42,6 +42,15 @@ async def _triage_nan(client: Any, run: str, job: Any) -> None:
     await call(client, "get_anomalies", run=run, kind="nonfinite")
 
 
+async def _triage_embeddings(client: Any, run: str, job: Any) -> None:
+    """A recommender with zombie item rows: the agent damps them; the verdict is on the loss (the data that
+    makes them zombies is unchanged, so their anomaly holds). Then it reads the table the anomaly names."""
+    outcome = await triage(client, run, timeout=60, verdict_timeout=90, say=print)
+    await asyncio.to_thread(job.join)
+    table = outcome.anomaly["tensors"][0] if outcome.anomaly else "item.weight"
+    await call(client, "get_embeddings", run=run, table=table, rows=5)
+
+
 async def _errors(client: Any, run: str, job: Any) -> None:
     """What an agent sees when it gets things wrong: an unknown run, an unknown fix, a bad argument."""
     await asyncio.to_thread(job.join)
@@ -63,6 +72,10 @@ SCENARIOS: dict[str, tuple[dict, Callable[[Any, str, Any], Awaitable[None]]]] = 
     "ineffective_reverted": ({"name": "fault_job", "run": "session-ineffective",
                               "kwargs": {"fault": "nan_batch", "steps": 1600, "pace": 0.004,
                                          "allow": ["skip_nonfinite", "lr_scale"]}}, _triage_nan),
+    # Zombie item rows in a recommender (a broken join alternates the labels of 8 popular items): the agent
+    # applies the proposed embedding_grad_scale, which the server judges on the loss, and looks at the table.
+    "zombie_embeddings_damped": ({"name": "recommender_job", "run": "session-zombie-rows",
+                                  "kwargs": {"steps": 900, "toggling": 8, "pace": 0.004}}, _triage_embeddings),
     "agent_errors": ({"name": "lr_spike_job", "run": "session-errors",
                       "kwargs": {"steps": 300, "fault_step": None, "pace": 0.004}}, _errors),
 }

@@ -1038,6 +1038,26 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
         assert db.execute("SELECT count(*) FROM embedding_tables WHERE run='emb-e2e'").fetchone() == (0,)
 
 
+def test_a_recommender_with_the_default_collections_flags_its_toggling_items_and_nothing_else(session_server) -> None:
+    """The recorded agent session's job (agent_examples.jobs.recommender_job): every rule of the server runs
+    on a matrix factorisation with the probe's default collections; the healthy run raises nothing, and the
+    faulty one raises zombie rows on its item tables only, naming only the items whose labels toggle."""
+    from agent_examples.jobs import recommender_job
+
+    url = session_server.url
+    kinds = {}
+    for run, toggling in (("rec-healthy", 0), ("rec-toggling", 8)):
+        result = recommender_job(run=run, toggling=toggling, pace=0, probe_kwargs={"server": url})
+        assert result.error is None
+        kinds[run] = httpx.get(f"{url}/v1/runs/{run}/anomalies", headers=AUTH).json()["anomalies"]
+    assert kinds["rec-healthy"] == []
+    flagged = kinds["rec-toggling"]
+    assert flagged and {a["kind"] for a in flagged} == {"zombie_embedding"}
+    assert {a["tensors"][0] for a in flagged} <= {"item.weight", "item_bias.weight"}
+    named = {int(r) for a in flagged for r in a["evidence"]["rows"]}
+    assert len(named) >= 4 and named <= set(range(8))
+
+
 @pytest.mark.parametrize("loss_after", [0.9, 1.5], ids=["not_worse", "worse"])
 def test_a_damping_fix_is_judged_on_the_loss_while_its_zombies_hold(tmp_path, loss_after: float) -> None:
     """Damping zombie rows cannot clear what makes them zombies (their data): their anomaly holding after
