@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/embeddings.py --quick          # a few minutes
     PYTHONPATH=. python benchmarks/embeddings.py                  # the full protocol (5 seeds, 30 epochs)
     PYTHONPATH=. python benchmarks/embeddings.py detect|fix|overhead [--quick]
+    PYTHONPATH=. python benchmarks/embeddings.py agent            # the agent's loop through a real server
 
 Model: matrix factorisation (global mean + user/item biases + dot of 32-dim user/item tables), MSE on
 ratings, a fixed 80/20 split (seed 0), batch 256. Every seed gives both arms the same initialisation and
@@ -475,9 +476,78 @@ def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str 
         print(f"{label}: " + "; ".join(cells) + f"; row state {state_mb:.1f} MB for {table_mb:.1f} MB of tables")
 
 
+# -- the agent's loop, through a real server ---------------------------------------------------------------
+def agent_bench(seeds: list[int], steps: int) -> None:
+    """The recorded agent session's job (agent_examples.jobs.recommender_job: synthetic ratings, a broken join
+    alternating the labels of the 8 most popular items), run three ways a seed against a real `traindx serve`:
+    untouched; with the server's first proposal for the zombie_embedding anomaly, applied over MCP as the
+    scripted agent does (the table fix); with its second (only the named rows). The clean held-out MSE at
+    the end says whether the fix that the server judged effective helped the model."""
+    import asyncio
+    import threading
+
+    from agent_examples.jobs import recommender_job
+    from agent_examples.scripted_agent import ToolFailed, call, connect
+    from diag_server.demo import _free_port, start_server
+
+    print(f"\n== the agent's loop: recommender_job ({steps} steps, seeds {seeds}) through a real server; the fix "
+          "applied when zombie_embedding opens; clean held-out MSE at the end ==")
+    data = tempfile.mkdtemp(prefix="traindx-bench-agent-")
+    os.environ["TRAINDX_SPOOL"] = os.path.join(data, "spool")
+    port = _free_port()
+    server_proc = start_server(data, port)
+    url = f"http://127.0.0.1:{port}"
+
+    async def apply(run: str, rank: int) -> str:
+        async with connect(f"{url}/mcp") as client:
+            anomaly = None  # the zombie anomaly (another may open first: a slow start's loss_not_decreasing)
+            for _ in range(600):
+                try:
+                    page = await call(client, "get_anomalies", run=run, kind="zombie_embedding")
+                except ToolFailed:  # unknown_run: the job has not sent its first batch yet
+                    page = {"anomalies": []}
+                if page["anomalies"]:
+                    anomaly = page["anomalies"][0]
+                    break
+                await asyncio.sleep(0.2)
+            if anomaly is None:
+                return "no zombie_embedding anomaly"
+            fix = (await call(client, "propose_fix", run=run, anomaly_id=anomaly["id"]))["fixes"][rank - 1]
+            await call(client, "apply_fix", run=run, fix_id=fix["id"])
+            for _ in range(600):
+                status = await call(client, "get_fix_status", run=run, fix_id=fix["id"])
+                if status["status"] not in ("proposed", "pending"):
+                    break
+                await asyncio.sleep(0.2)
+            return f"{status['status']} at step {status['applied_step']}, {status['after'].get('rows')} rows"
+
+    try:
+        gains: dict[str, list[float]] = {"table": [], "rows": []}
+        for seed in seeds:
+            results = {}
+            for label, rank in (("none", 0), ("table", 1), ("rows", 2)):
+                out: dict = {}
+                run = f"bench-agent-{label}-{seed}"
+                job = threading.Thread(target=lambda: out.update(r=recommender_job(
+                    run=run, seed=seed, steps=steps, pace=0.002, probe_kwargs={"server": url})))
+                job.start()
+                how = asyncio.run(apply(run, rank)) if rank else "-"
+                job.join()
+                results[label] = out["r"].final_loss
+                if rank:
+                    gains[label].append(results["none"] - results[label])
+                print(f"seed {seed} {label:<5} clean MSE {results[label]:.4f}"
+                      + (f" (gain {results['none'] - results[label]:+.4f}; fix {how})" if rank else ""))
+        for label, g in gains.items():
+            print(f"{label}: mean gain {statistics.mean(g):+.4f}, better on {sum(x > 0 for x in g)}/{len(g)} seeds")
+    finally:
+        server_proc.terminate()
+        server_proc.wait(10)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", nargs="?", default="all", choices=["all", "detect", "fix", "overhead"])
+    ap.add_argument("what", nargs="?", default="all", choices=["all", "detect", "fix", "overhead", "agent"])
     ap.add_argument("--quick", action="store_true", help="fewer epochs and seeds (a few minutes)")
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--epochs", type=int, default=None)
@@ -498,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("traindx.probe").setLevel(logging.ERROR)  # the fixes' log lines; the table says it
     seeds = list(range(args.seeds if args.seeds else (2 if args.quick else 5)))
     epochs = args.epochs or (8 if args.quick else 30)
+    if args.what == "agent":  # synthetic ratings: no MovieLens needed
+        agent_bench(seeds, 1500 if args.quick else 3000)
+        return 0
     d = load()
     print(f"MovieLens-100k: {len(d.ratings)} train / {len(d.vr)} val ratings, {d.n_users} users, {d.n_items} items; "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
@@ -509,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.what in ("all", "overhead"):
         overhead(d, repeats=3 if args.quick else 5, steps=100 if args.quick else 300, report_every=args.report_every,
                  sink=args.sink, cases=args.overhead_cases, big_dim=args.big_dim)
+    if args.what == "all":
+        agent_bench(seeds, 1500 if args.quick else 3000)
     return 0
 
 
