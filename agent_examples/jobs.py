@@ -5,6 +5,7 @@ Each is a real PyTorch training loop with the probe attached; the same seed give
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -126,6 +127,37 @@ REPAIR_FAULTS: dict[str, Fault] = {f.name: f for f in (
 )}
 
 
+@contextlib.contextmanager
+def _running(result: JobResult, probe: probes.Probe | None) -> Any:
+    """A job's loop: an error goes to ``result.error`` (the caller runs the job in a thread), the probe is
+    closed whatever happens, and ``result.wall`` is the loop's time, the probe's close included."""
+    t0 = time.time()
+    try:
+        yield
+    except BaseException as e:  # noqa: BLE001 - reported to the caller, who runs us in a thread
+        result.error = e
+    finally:
+        if probe is not None:
+            probe.close()
+        result.wall = time.time() - t0
+
+
+def _train_step(loss: torch.Tensor, opt: torch.optim.Optimizer, probe: probes.Probe | None, pace: float,
+                result: JobResult) -> None:
+    """A job's step once its loss is computed: the backward pass, ``pace`` seconds standing in for a real
+    model's compute (inside the step, not data wait), the optimizer step, the probe, and the record."""
+    opt.zero_grad()
+    loss.backward()
+    if pace:
+        time.sleep(pace)
+    opt.step()
+    if probe is not None:
+        probe.step(loss=loss)
+    result.losses.append(loss.item())
+    result.lrs.append(float(opt.param_groups[0]["lr"]))
+    result.times.append(time.time())
+
+
 def fault_job(fault: Fault | str, *, run: str, steps: int = 800, pace: float = 0.004, seed: int = 0,
               interval: int = 10, healthy: bool = False, allow: Any = None,
               probe_kwargs: dict[str, Any] | None = None, attach: bool = True,
@@ -156,8 +188,7 @@ def fault_job(fault: Fault | str, *, run: str, steps: int = 800, pace: float = 0
     probe = probes.attach(model, opt, run=run, interval=interval,
                           allow=REPAIR_ALLOW if allow is None else allow, **(probe_kwargs or {})) if attach else None
     evals: list[float] = []
-    t0 = time.time()
-    try:
+    with _running(result, probe):
         for step in range(steps):
             if stop is not None and stop.is_set():
                 break
@@ -170,27 +201,11 @@ def fault_job(fault: Fault | str, *, run: str, steps: int = 800, pace: float = 0
                 x[0, 3] = float("nan")
             if not healthy and fault.outliers and step >= fault.fault_step and step % 10 == 0:
                 y[0] = y[0] * fault.outliers
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            if pace:
-                time.sleep(pace)  # stands in for a real model's compute (inside the step, not data wait)
-            opt.step()
-            if probe is not None:
-                probe.step(loss=loss)
-            result.losses.append(loss.item())
-            result.lrs.append(float(opt.param_groups[0]["lr"]))
-            result.times.append(time.time())
+            _train_step(torch.nn.functional.mse_loss(model(x), y), opt, probe, pace, result)
             if step >= steps - FINAL_WINDOW and (steps - 1 - step) % 10 == 0:
                 with torch.no_grad():
                     evals.append(torch.nn.functional.mse_loss(model(x_eval), y_eval).item())
         result.final_loss = statistics.median(x if x == x else float("inf") for x in evals) if evals else None
-    except BaseException as e:  # noqa: BLE001 - reported to the caller, who runs us in a thread
-        result.error = e
-    finally:
-        if probe is not None:
-            probe.close()
-        result.wall = time.time() - t0
     return result
 
 
@@ -245,8 +260,7 @@ def recommender_job(*, run: str, steps: int = 900, toggling: int = 8, pace: floa
     probe = probes.attach(model, opt, run=run, interval=interval,
                           collections=[*probes.probe.DEFAULT_COLLECTIONS, "embeddings"],
                           allow=RECOMMENDER_ALLOW if allow is None else allow, **(probe_kwargs or {})) if attach else None
-    t0 = time.time()
-    try:
+    with _running(result, probe):
         for step in range(steps):
             if stop is not None and stop.is_set():
                 break
@@ -257,23 +271,7 @@ def recommender_job(*, run: str, steps: int = 900, toggling: int = 8, pace: floa
                     if k % 2:
                         r[pos] = 6.0 - r[pos]
                     seen[item] = k + 1
-            loss = ((model(u, i) - r) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            if pace:
-                time.sleep(pace)  # stands in for a real model's compute (inside the step, not data wait)
-            opt.step()
-            if probe is not None:
-                probe.step(loss=loss)
-            result.losses.append(loss.item())
-            result.lrs.append(float(opt.param_groups[0]["lr"]))
-            result.times.append(time.time())
+            _train_step(((model(u, i) - r) ** 2).mean(), opt, probe, pace, result)
         with torch.no_grad():
             result.final_loss = float(((model(eval_u, eval_i) - eval_r) ** 2).mean())
-    except BaseException as e:  # noqa: BLE001 - reported to the caller, who runs us in a thread
-        result.error = e
-    finally:
-        if probe is not None:
-            probe.close()
-        result.wall = time.time() - t0
     return result
