@@ -47,7 +47,7 @@ async def _triage_embeddings(client: Any, run: str, job: Any) -> None:
     makes them zombies is unchanged, so their anomaly holds). Then it reads the table the anomaly names."""
     outcome = await triage(client, run, timeout=60, verdict_timeout=90, say=print)
     await asyncio.to_thread(job.join)
-    table = outcome.anomaly["tensors"][0] if outcome.anomaly else "item.weight"
+    table = next(iter((outcome.anomaly or {}).get("tensors") or []), "item.weight")
     await call(client, "get_embeddings", run=run, table=table, rows=5)
 
 
