@@ -31,7 +31,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, wrap_last: b
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     room = shutil.get_terminal_size((120, 20)).columns - sum(w + 2 for w in widths[:-1])
     if wrap_last and widths:
-        widths[-1] = max(min(widths[-1], room), len(headers[-1]), 20)
+        widths[-1] = max(min(widths[-1], max(room, 20)), len(headers[-1]))  # a narrow terminal still shows 20
     out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
            "  ".join("-" * w for w in widths)]
     for r in cells:

@@ -106,4 +106,4 @@ def test_errors_say_what_to_do(srv: ServerProcess) -> None:
 
 def test_table_pads_columns() -> None:
     text = table(["A", "LONGER"], [["x", "1"], ["yyy", None]])
-    assert text.splitlines() == ["A    LONGER", "---  --------------------", "x    1", "yyy  -"]
+    assert text.splitlines() == ["A    LONGER", "---  ------", "x    1", "yyy  -"]  # the rule fits the column
