@@ -154,3 +154,30 @@ def test_diagnosis_links_consequences_and_compares_with_an_earlier_run_of_the_sa
         assert any("learning rate changed from 0.02 to 2" in c for c in d.context), d.report
     finally:
         store.close()
+
+
+def test_embedding_anomalies_naming_the_same_ids_in_two_tables_are_one_problem(tmp_path):
+    """An item table and its bias table, looked up with the same ids, both flag the items whose labels
+    conflict: one problem in the data, not two. Tables of other sizes, or other ids, stay apart."""
+    from diag_server.diagnosis import diagnose
+    from diag_server.store import Store
+    from tests.test_fix_proposers import RUN, _anomaly, _run
+
+    def zombies(table: str, rows: list[int], table_rows: int, step: int) -> str:
+        return _anomaly(store, "zombie_embedding", {"table": table, "rows": [float(r) for r in rows],
+                                                    "table_rows": table_rows}, first_step=step, last_step=step,
+                        tensors=[table])
+
+    store = Store(tmp_path / "data")
+    try:
+        _run(store)
+        first = zombies("item.weight", [4, 7, 3, 1], 200, 300)
+        echo = zombies("item_bias.weight", [6, 2, 0, 7, 3], 200, 620)  # 3 of the 4 ids named first
+        users = zombies("user.weight", [4, 7, 3, 1], 300, 640)  # the same numbers, another table's ids
+        other = zombies("item_bias.weight", [50, 51, 52], 200, 700)  # the same table size, other ids
+        d = diagnose(store, RUN)
+        assert [c.anomaly_id for c in d.causes] == [first, users, other]
+        assert d.causes[0].consequences == [echo]
+        assert f"({echo}: the same ids in 'item_bias.weight', one problem in the data" in d.causes[0].explanation
+    finally:
+        store.close()
