@@ -5,6 +5,7 @@
     PYTHONPATH=. python benchmarks/embeddings.py                  # the full protocol (5 seeds, 30 epochs)
     PYTHONPATH=. python benchmarks/embeddings.py detect|fix|overhead [--quick]
     PYTHONPATH=. python benchmarks/embeddings.py agent            # the agent's loop through a real server
+    PYTHONPATH=. python benchmarks/embeddings.py longtail         # the zombie rule on a 1M-row long-tailed table
 
 Model: matrix factorisation (global mean + user/item biases + dot of 32-dim user/item tables), MSE on
 ratings, a fixed 80/20 split (seed 0), batch 256. Every seed gives both arms the same initialisation and
@@ -476,6 +477,68 @@ def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str 
         print(f"{label}: " + "; ".join(cells) + f"; row state {state_mb:.1f} MB for {table_mb:.1f} MB of tables")
 
 
+# -- a long-tailed table: where the zombie rule stops seeing ------------------------------------------------
+def longtail_bench(seed: int = 0, steps: int = 3000, rows: int = 1_000_000) -> None:
+    """A 1M-row item table (and its bias table) with Zipf(0.8) popularity, 10k users, batch 1024, SparseAdam
+    1e-2, synthetic ratings; the labels of 50 of the 100 most popular items toggle (r / 6 - r at each of
+    their steps). The rules run in-process on the probe's reports: what the zombie rule judges, and finds."""
+    print(f"\n== long tail: {rows} x {DIM} items (Zipf 0.8) + their bias, 10k users, batch 1024, SparseAdam 1e-2, "
+          f"{steps} steps, 50 of the 100 most popular items toggling; the zombie rule on the probe's reports ==")
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    item, user = torch.nn.Embedding(rows, DIM, sparse=True), torch.nn.Embedding(10_000, DIM, sparse=True)
+    item_bias = torch.nn.Embedding(rows, 1, sparse=True)
+    for table in (item, user):
+        torch.nn.init.normal_(table.weight, std=0.1)
+    torch.nn.init.zeros_(item_bias.weight)
+    model = torch.nn.ModuleDict({"item": item, "user": user, "item_bias": item_bias})
+    opt = torch.optim.SparseAdam(model.parameters(), lr=1e-2)
+    sink = probes.MemorySink()
+    probe = probes.attach(model, opt, sink=sink, collections={"embeddings": REPORT}, flush_interval=3600)
+    watch = Watch(sink)
+    popularity = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 0.8
+    taste_u, taste_i = torch.randn(10_000, 8, generator=g), torch.randn(rows, 8, generator=g)
+    planted = set(range(0, 100, 2))
+    toggles = torch.zeros(rows, dtype=torch.bool)
+    toggles[list(planted)] = True
+    seen = torch.zeros(rows, dtype=torch.long)
+    medians: dict[str, list[float]] = {}
+    for step in range(steps):
+        i = torch.multinomial(popularity, 1024, replacement=True, generator=g)
+        u = torch.randint(0, 10_000, (1024,), generator=g)
+        r = 3.5 + 0.35 * (taste_u[u] * taste_i[i]).sum(1) + 0.3 * torch.randn(1024, generator=g)
+        hit = toggles[i]
+        if hit.any():
+            r[hit] = torch.where(seen[i[hit]] % 2 == 1, 6 - r[hit], r[hit])
+            seen.index_add_(0, i[hit], torch.ones_like(i[hit]))
+        loss = ((3.5 + item_bias(i).squeeze(1) + (item(i) * user(u)).sum(1) - r) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+        if step % REPORT == 0:
+            probe.flush()
+            watch.poll()
+    probe.flush()
+    watch.poll()
+    for b in sink.batches:
+        for ev in b["events"]:
+            if ev["kind"] == "tensor_stats" and ev["collection"] == "embeddings":
+                for row in ev["rows"]:
+                    medians.setdefault(row["name"], []).append(row["embedding"].get("median_touches") or 0.0)
+    probe.close()
+    zombies = ZombieEmbedding()
+    for name, values in medians.items():
+        fs = [f for f in watch.findings if f.kind == AnomalyKind.zombie_embedding and f.key == name]
+        found = {int(x) for x in fs[-1].evidence["rows"]} if fs else set()
+        judged = sum(v >= zombies.p.min_median_touches for v in values)
+        truth = planted if name != "user.weight" else set()
+        tp = len(found & truth)
+        print(f"{name}: median touched row's updates at the last report {values[-1]:.0f}; judged in {judged} of "
+              f"{len(values)} reports; {len(found)} rows flagged" + (f", precision {tp / len(found):.2f}" if found and truth else "")
+              + (f", recall {tp / len(truth):.2f}" if truth else ""))
+
+
 # -- the agent's loop, through a real server ---------------------------------------------------------------
 def agent_bench(seeds: list[int], steps: int) -> None:
     """The recorded agent session's job (agent_examples.jobs.recommender_job: synthetic ratings, a broken join
@@ -547,7 +610,7 @@ def agent_bench(seeds: list[int], steps: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", nargs="?", default="all", choices=["all", "detect", "fix", "overhead", "agent"])
+    ap.add_argument("what", nargs="?", default="all", choices=["all", "detect", "fix", "overhead", "agent", "longtail"])
     ap.add_argument("--quick", action="store_true", help="fewer epochs and seeds (a few minutes)")
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--epochs", type=int, default=None)
@@ -570,6 +633,9 @@ def main(argv: list[str] | None = None) -> int:
     epochs = args.epochs or (8 if args.quick else 30)
     if args.what == "agent":  # synthetic ratings: no MovieLens needed
         agent_bench(seeds, 1500 if args.quick else 3000)
+        return 0
+    if args.what == "longtail":
+        longtail_bench(steps=1000 if args.quick else 3000)
         return 0
     d = load()
     print(f"MovieLens-100k: {len(d.ratings)} train / {len(d.vr)} val ratings, {d.n_users} users, {d.n_items} items; "
