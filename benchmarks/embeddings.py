@@ -478,12 +478,14 @@ def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str 
 
 
 # -- a long-tailed table: where the zombie rule stops seeing ------------------------------------------------
-def longtail_bench(seed: int = 0, steps: int = 3000, rows: int = 1_000_000) -> None:
+def longtail_bench(seed: int = 0, steps: int = 3000, rows: int = 1_000_000, planted_items: int = 50) -> None:
     """A 1M-row item table (and its bias table) with Zipf(0.8) popularity, 10k users, batch 1024, SparseAdam
-    1e-2, synthetic ratings; the labels of 50 of the 100 most popular items toggle (r / 6 - r at each of
-    their steps). The rules run in-process on the probe's reports: what the zombie rule judges, and finds."""
+    1e-2, synthetic ratings; the labels of ``planted_items`` of the 100 most popular items toggle (r / 6 - r at
+    each of their steps; 0: a healthy run). The rules run in-process on the probe's reports: what the zombie
+    rule judges, and finds."""
     print(f"\n== long tail: {rows} x {DIM} items (Zipf 0.8) + their bias, 10k users, batch 1024, SparseAdam 1e-2, "
-          f"{steps} steps, 50 of the 100 most popular items toggling; the zombie rule on the probe's reports ==")
+          f"{steps} steps, {planted_items} of the 100 most popular items toggling; the zombie rule on the probe's "
+          "reports ==")
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     item, user = torch.nn.Embedding(rows, DIM, sparse=True), torch.nn.Embedding(10_000, DIM, sparse=True)
@@ -498,7 +500,7 @@ def longtail_bench(seed: int = 0, steps: int = 3000, rows: int = 1_000_000) -> N
     watch = Watch(sink)
     popularity = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 0.8
     taste_u, taste_i = torch.randn(10_000, 8, generator=g), torch.randn(rows, 8, generator=g)
-    planted = set(range(0, 100, 2))
+    planted = set(range(0, 2 * planted_items, 2))
     toggles = torch.zeros(rows, dtype=torch.bool)
     toggles[list(planted)] = True
     seen = torch.zeros(rows, dtype=torch.long)
@@ -535,7 +537,8 @@ def longtail_bench(seed: int = 0, steps: int = 3000, rows: int = 1_000_000) -> N
         truth = planted if name != "user.weight" else set()
         tp = len(found & truth)
         print(f"{name}: median touched row's updates at the last report {values[-1]:.0f}; judged in {judged} of "
-              f"{len(values)} reports; {len(found)} rows flagged" + (f", precision {tp / len(found):.2f}" if found and truth else "")
+              f"{len(values)} reports; {len(found)} rows flagged"
+              + (f", precision {tp / len(found):.2f}" if found and truth else "")
               + (f", recall {tp / len(truth):.2f}" if truth else ""))
 
 
@@ -635,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
         agent_bench(seeds, 1500 if args.quick else 3000)
         return 0
     if args.what == "longtail":
-        longtail_bench(steps=1000 if args.quick else 3000)
+        for planted_items in (50, 0):  # and the same run without the fault: what a healthy table raises
+            longtail_bench(steps=1000 if args.quick else 3000, planted_items=planted_items)
         return 0
     d = load()
     print(f"MovieLens-100k: {len(d.ratings)} train / {len(d.vr)} val ratings, {d.n_users} users, {d.n_items} items; "
