@@ -231,6 +231,17 @@ class MatrixFactorisation(torch.nn.Module):
 RECOMMENDER_ALLOW: dict[str, dict] = {"embedding_grad_scale": {}, "lr_scale": {}, "grad_clip": {}}
 
 
+def toggle_labels(items: list[int], ratings: torch.Tensor, faulty: set[int], seen: dict[int, int]) -> None:
+    """A broken join, in place: the rating of a ``faulty`` item becomes 6 - r at every other time the item is
+    seen (``seen`` counts its appearances so far, across batches), so its target toggles between r and 6 - r."""
+    for pos, item in enumerate(items):
+        if item in faulty:
+            k = seen.get(item, 0)
+            if k % 2:
+                ratings[pos] = 6 - ratings[pos]
+            seen[item] = k + 1
+
+
 def recommender_job(*, run: str, steps: int = 900, toggling: int = 8, pace: float = 0.004, seed: int = 0,
                     interval: int = 20, users: int = 300, items: int = 200, batch: int = 128,
                     allow: Any = None, probe_kwargs: dict[str, Any] | None = None, attach: bool = True,
@@ -265,12 +276,7 @@ def recommender_job(*, run: str, steps: int = 900, toggling: int = 8, pace: floa
             if stop is not None and stop.is_set():
                 break
             u, i, r = ratings(batch, gen)
-            for pos, item in enumerate(i.tolist()):
-                if item in faulty:
-                    k = seen.get(item, 0)
-                    if k % 2:
-                        r[pos] = 6.0 - r[pos]
-                    seen[item] = k + 1
+            toggle_labels(i.tolist(), r, faulty, seen)
             _train_step(((model(u, i) - r) ** 2).mean(), opt, probe, pace, result)
         with torch.no_grad():
             result.final_loss = float(((model(eval_u, eval_i) - eval_r) ** 2).mean())

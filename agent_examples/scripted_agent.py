@@ -53,12 +53,13 @@ async def call(client: Client, tool: str, **args: Any) -> dict:
 
 
 async def wait_for_anomaly(client: Client, run: str, *, timeout: float, poll: float,
-                           skip: set[str] = frozenset()) -> dict | None:  # type: ignore[assignment]
-    """The most urgent open anomaly of warning or critical severity (not in ``skip``), once one appears."""
+                           skip: set[str] = frozenset(), kind: str | None = None) -> dict | None:  # type: ignore[assignment]
+    """The most urgent open anomaly of warning or critical severity (not in ``skip``; of ``kind`` when given),
+    once one appears."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            page = await call(client, "get_anomalies", run=run, status="open", limit=20)
+            page = await call(client, "get_anomalies", run=run, status="open", kind=kind, limit=20)
         except ToolFailed as e:
             if "unknown_run" not in str(e):
                 raise
@@ -139,13 +140,13 @@ async def _apply_first(client: Client, run: str, live: list[dict], out: Outcome,
             # at one step boundary: the restored state never meets an unguarded step.
             done |= await _undo_damage(client, run, fix, [f for f in live if f["id"] not in done], note,
                                        verdict_timeout, poll)
-        status = await _wait_status(client, run, fix["id"], {"applied", *FINAL}, verdict_timeout, poll)
+        status = await wait_for_status(client, run, fix["id"], {"applied", *FINAL}, verdict_timeout, poll)
         if status["status"] in ("rejected", "failed", "expired"):
             note(f"  {fix['id']} {status['status']}: {status['reason']}; trying the next proposal")
             continue
         out.applied_at = time.monotonic()
         note(f"  {fix['id']} applied at step {status['applied_step']}: {status['before']} -> {status['after']}")
-        status = await _wait_status(client, run, fix["id"], FINAL, verdict_timeout, poll)
+        status = await wait_for_status(client, run, fix["id"], FINAL, verdict_timeout, poll)
         out.fix, out.verdict = status, status["status"]
         note(f"  verdict: {status['status']} ({status['reason']})")
         # Undo a fix that did not help, or that the server flags for making the loss worse; a rollback
@@ -153,7 +154,7 @@ async def _apply_first(client: Client, run: str, live: list[dict], out: Outcome,
         worse = "revert it" in (status["reason"] or "")
         if (status["status"] == "ineffective" or worse) and fix["action"] != "rollback":
             await call(client, "revert_fix", run=run, fix_id=fix["id"])
-            reverted = await _wait_status(client, run, fix["id"], {"reverted"}, verdict_timeout, poll)
+            reverted = await wait_for_status(client, run, fix["id"], {"reverted"}, verdict_timeout, poll)
             out.reverted = True
             note(f"  reverted {fix['id']}: {reverted['status']} ({reverted['before']} -> {reverted['after']})")
         if status["status"] != "ineffective":
@@ -176,14 +177,15 @@ async def _undo_damage(client: Client, run: str, guard: dict, live: list[dict], 
         return set()
     await call(client, "apply_fix", run=run, fix_id=roll["id"])
     note(f"  undoing the damage done before the guard: apply_fix {roll['id']} (rollback {roll['params']})")
-    status = await _wait_status(client, run, roll["id"], {"applied", *FINAL}, timeout, poll)
+    status = await wait_for_status(client, run, roll["id"], {"applied", *FINAL}, timeout, poll)
     note(f"  {roll['id']} {status['status']}: " + (f"{status['before']} -> {status['after']}"
                                                     if status["status"] not in ("rejected", "failed", "expired")
                                                     else str(status["reason"])))
     return {roll["id"]}
 
 
-async def _wait_status(client: Client, run: str, fix_id: str, until: set[str], timeout: float, poll: float) -> dict:
+async def wait_for_status(client: Client, run: str, fix_id: str, until: set[str], timeout: float, poll: float) -> dict:
+    """The fix's status once it is one of ``until`` (or when ``timeout`` seconds have passed)."""
     deadline = time.monotonic() + timeout
     status = await call(client, "get_fix_status", run=run, fix_id=fix_id)
     while status["status"] not in until and time.monotonic() < deadline:

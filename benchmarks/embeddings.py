@@ -16,8 +16,8 @@ server runs), and the fix travels to the job the way a server's command does (on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
-import math
 import os
 import statistics
 import sys
@@ -25,10 +25,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 import probes
+from agent_examples.jobs import toggle_labels
 from diag_server.fixes import embedding_scale_params
 from diag_server.rules import Observations
 from diag_server.rules.embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
@@ -241,13 +243,7 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
 
         def toggling(epoch: int, order: torch.Tensor) -> torch.Tensor:
             r = d.ratings[order].clone()
-            items = d.items[order].tolist()
-            for pos, it in enumerate(items):
-                if it in zset:
-                    k = seen.get(it, 0)
-                    if k % 2:
-                        r[pos] = 6 - r[pos]
-                    seen[it] = k + 1
+            toggle_labels(d.items[order].tolist(), r, zset, seen)
             return r
 
         run = train(d, regime, seed, epochs, probe_on=True, targets=toggling) if "a" in cases else None
@@ -379,19 +375,29 @@ def overhead(d: Data, repeats: int, steps: int, report_every: int = 50, sink: st
           f"({'built' if probes.stats._fastats is not None else 'NOT built: the torch path, queued'}); "
           f"wall ratio, then process CPU-time ratio, which counts the worker's work; events go to "
           f"{'a real traindx server' if sink == 'http' else 'an in-memory sink that keeps every one'}) ==")
-    server_proc, server = None, None
-    if sink == "http":  # as benchmarks/overhead.py: the sender serialises and posts every event, and forgets it
-        from diag_server.demo import _free_port, start_server
-        port = _free_port()
-        server_proc = start_server(tempfile.mkdtemp(prefix="traindx-bench-"), port)
-        server = f"http://127.0.0.1:{port}"
-        os.environ["TRAINDX_SPOOL"] = tempfile.mkdtemp(prefix="traindx-spool-")
-    try:
+    # http, as benchmarks/overhead.py: the sender serialises and posts every event, and forgets it
+    with _server("traindx-bench-") if sink == "http" else contextlib.nullcontext(None) as server:
         _overhead(d, repeats, steps, report_every, server, cases.split(","), big_dim)
+
+
+@contextlib.contextmanager
+def _server(prefix: str) -> Iterator[str]:
+    """A real `traindx serve` on a free port, with a spool directory of its own for the probes: its URL."""
+    from diag_server.demo import _free_port, start_server
+    data = tempfile.mkdtemp(prefix=prefix)
+    os.environ["TRAINDX_SPOOL"] = os.path.join(data, "spool")
+    port = _free_port()
+    proc = start_server(data, port)
+    try:
+        yield f"http://127.0.0.1:{port}"
     finally:
-        if server_proc is not None:
-            server_proc.terminate()
-            server_proc.wait(10)
+        proc.terminate()
+        proc.wait(10)
+
+
+def _zipf(rows: int, exponent: float = 0.8) -> torch.Tensor:
+    """Sampling weights of ids 0.. rows - 1 by Zipf-like popularity, as in recommender logs (id 0 the most popular)."""
+    return 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** exponent
 
 
 def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str | None, which: list[str],
@@ -422,8 +428,7 @@ def _overhead(d: Data, repeats: int, steps: int, report_every: int, server: str 
         opt = torch.optim.SparseAdam(model.parameters(), lr=1e-3) if sparse else torch.optim.Adam(model.parameters(), lr=1e-3)
         probe = _attach_embeddings(model, opt, arm, report_every, server)
         g = torch.Generator().manual_seed(0)
-        # Zipf-like popularity, as in recommender logs.
-        weights = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 0.8
+        weights = _zipf(rows)
 
         def step():
             i = torch.multinomial(weights, batch, replacement=True, generator=g)
@@ -498,7 +503,7 @@ def longtail_bench(seed: int = 0, steps: int = 3000, rows: int = 1_000_000, plan
     sink = probes.MemorySink()
     probe = probes.attach(model, opt, sink=sink, collections={"embeddings": REPORT}, flush_interval=3600)
     watch = Watch(sink)
-    popularity = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** 0.8
+    popularity = _zipf(rows)
     taste_u, taste_i = torch.randn(10_000, 8, generator=g), torch.randn(rows, 8, generator=g)
     planted = set(range(0, 2 * planted_items, 2))
     toggles = torch.zeros(rows, dtype=torch.bool)
@@ -553,41 +558,23 @@ def agent_bench(seeds: list[int], steps: int) -> None:
     import threading
 
     from agent_examples.jobs import recommender_job
-    from agent_examples.scripted_agent import ToolFailed, call, connect
-    from diag_server.demo import _free_port, start_server
+    from agent_examples.scripted_agent import FINAL, call, connect, wait_for_anomaly, wait_for_status
 
     print(f"\n== the agent's loop: recommender_job ({steps} steps, seeds {seeds}) through a real server; the fix "
           "applied when zombie_embedding opens; clean held-out MSE at the end ==")
-    data = tempfile.mkdtemp(prefix="traindx-bench-agent-")
-    os.environ["TRAINDX_SPOOL"] = os.path.join(data, "spool")
-    port = _free_port()
-    server_proc = start_server(data, port)
-    url = f"http://127.0.0.1:{port}"
 
-    async def apply(run: str, rank: int) -> str:
+    async def apply(url: str, run: str, rank: int) -> str:
         async with connect(f"{url}/mcp") as client:
-            anomaly = None  # the zombie anomaly (another may open first: a slow start's loss_not_decreasing)
-            for _ in range(600):
-                try:
-                    page = await call(client, "get_anomalies", run=run, kind="zombie_embedding")
-                except ToolFailed:  # unknown_run: the job has not sent its first batch yet
-                    page = {"anomalies": []}
-                if page["anomalies"]:
-                    anomaly = page["anomalies"][0]
-                    break
-                await asyncio.sleep(0.2)
+            # the zombie anomaly itself: another may open first (a slow start's loss_not_decreasing)
+            anomaly = await wait_for_anomaly(client, run, timeout=120, poll=0.2, kind="zombie_embedding")
             if anomaly is None:
                 return "no zombie_embedding anomaly"
             fix = (await call(client, "propose_fix", run=run, anomaly_id=anomaly["id"]))["fixes"][rank - 1]
             await call(client, "apply_fix", run=run, fix_id=fix["id"])
-            for _ in range(600):
-                status = await call(client, "get_fix_status", run=run, fix_id=fix["id"])
-                if status["status"] not in ("proposed", "pending"):
-                    break
-                await asyncio.sleep(0.2)
-            return f"{status['status']} at step {status['applied_step']}, {status['after'].get('rows')} rows"
+            status = await wait_for_status(client, run, fix["id"], {"applied", *FINAL}, 120, 0.2)
+            return f"{status['status']} at step {status['applied_step']}, {(status['after'] or {}).get('rows')} rows"
 
-    try:
+    with _server("traindx-bench-agent-") as url:
         gains: dict[str, list[float]] = {"table": [], "rows": []}
         for seed in seeds:
             results = {}
@@ -597,7 +584,7 @@ def agent_bench(seeds: list[int], steps: int) -> None:
                 job = threading.Thread(target=lambda: out.update(r=recommender_job(
                     run=run, seed=seed, steps=steps, pace=0.002, probe_kwargs={"server": url})))
                 job.start()
-                how = asyncio.run(apply(run, rank)) if rank else "-"
+                how = asyncio.run(apply(url, run, rank)) if rank else "-"
                 job.join()
                 results[label] = out["r"].final_loss
                 if rank:
@@ -606,9 +593,6 @@ def agent_bench(seeds: list[int], steps: int) -> None:
                       + (f" (gain {results['none'] - results[label]:+.4f}; fix {how})" if rank else ""))
         for label, g in gains.items():
             print(f"{label}: mean gain {statistics.mean(g):+.4f}, better on {sum(x > 0 for x in g)}/{len(g)} seeds")
-    finally:
-        server_proc.terminate()
-        server_proc.wait(10)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -616,11 +616,9 @@ class Probe:
         if not new:
             return
         self._bad_scalars.update(new)
-        text = f"probe.{where}(): not a number, dropped: {', '.join(new)} (pass a float, a 0-d tensor, or None for no value)"
-        log.warning("traindx: %s", text)
         try:
-            self.sender.put({"kind": "message", "step": self._step, "time": time.time(), "level": "warning",
-                             "text": text[:4000]})
+            self._message("warning", f"probe.{where}(): not a number, dropped: {', '.join(new)} (pass a float, "
+                                     "a 0-d tensor, or None for no value)")
         except Exception:  # noqa: BLE001
             pass
 
