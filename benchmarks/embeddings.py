@@ -221,8 +221,16 @@ def table_of(run: dict, name: str):
 
 
 def flagged(run: dict, kind: AnomalyKind, table: str) -> set[int]:
-    fs = [f for f in run["watch"].findings if f.kind == kind and f.key == table]
+    """The rows the rule's last warning on ``table`` named (a zombie finding that is only the table's tail,
+    an info, names rows that do not stand out: not counted)."""
+    fs = [f for f in run["watch"].findings if f.kind == kind and f.key == table and f.evidence.get("stand_out", True)]
     return {int(x) for x in fs[-1].evidence["rows"]} if fs else set()
+
+
+def tail_rows(run: dict, table: str) -> int:
+    """Rows named by the zombie rule's last finding on ``table`` when it was the table's tail (info)."""
+    fs = [f for f in run["watch"].findings if f.kind == AnomalyKind.zombie_embedding and f.key == table]
+    return len(fs[-1].evidence["rows"]) if fs and not fs[-1].evidence.get("stand_out", True) else 0
 
 
 def pr(found: set[int], truth: set[int]) -> tuple[float, float]:
@@ -230,7 +238,10 @@ def pr(found: set[int], truth: set[int]) -> tuple[float, float]:
     return (tp / len(found) if found else (1.0 if not truth else 0.0)), (tp / len(truth) if truth else 1.0)
 
 
-def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cases: str = "abc") -> None:
+TABLES = ("item.weight", "item_bias.weight", "user.weight", "user_bias.weight")
+
+
+def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cases: str = "abch") -> None:
     counts = d.counts()
     print(f"\n== detection (regime {regime}, {epochs} epochs, seeds {seeds}) ==")
     for seed in seeds:
@@ -254,6 +265,13 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
             cells = [f"{label} precision {pr(f, zset)[0]:.2f} recall {pr(f, zset)[1]:.2f} ({len(f)} flagged)"
                  for label, f in (("item.weight", found), ("item_bias.weight", fb), ("either item table", found | fb))]
             print(f"seed {seed} (a) toggling zombies: " + "; ".join(cells) + f"; user rows flagged: {len(fu)}")
+
+        # (h) the same run without a fault: what the zombie rule says of healthy tables.
+        run = train(d, regime, seed, epochs, probe_on=True) if "h" in cases else None
+        if run is not None:
+            print(f"seed {seed} (h) unplanted: zombie rows named by a warning "
+                  + ", ".join(f"{t} {len(flagged(run, AnomalyKind.zombie_embedding, t))}" for t in TABLES)
+                  + "; as the table's tail (info) " + ", ".join(f"{t} {tail_rows(run, t)}" for t in TABLES))
 
         # (b) 50 items (>= 20 training ratings, not the top 100) whose ratings flip for half of the users.
         pool = torch.nonzero(counts >= 20).reshape(-1)
@@ -536,13 +554,14 @@ def longtail_bench(seed: int = 0, steps: int = 3000, rows: int = 1_000_000, plan
     probe.close()
     zombies = ZombieEmbedding()
     for name, values in medians.items():
-        fs = [f for f in watch.findings if f.kind == AnomalyKind.zombie_embedding and f.key == name]
-        found = {int(x) for x in fs[-1].evidence["rows"]} if fs else set()
+        run = {"watch": watch}
+        found = flagged(run, AnomalyKind.zombie_embedding, name)
         judged = sum(v >= zombies.p.min_median_touches for v in values)
         truth = planted if name != "user.weight" else set()
         tp = len(found & truth)
         print(f"{name}: median touched row's updates at the last report {values[-1]:.0f}; judged in {judged} of "
-              f"{len(values)} reports; {len(found)} rows flagged"
+              f"{len(values)} reports; {len(found)} rows named by a warning, {tail_rows(run, name)} as the "
+              "table's tail (info)"
               + (f", precision {tp / len(found):.2f}" if found and truth else "")
               + (f", recall {tp / len(truth):.2f}" if truth else ""))
 
@@ -605,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--detect-regime", default="adam1e-2", choices=list(REGIMES),
                     help="optimiser regime of the detection runs (default: one that fits ML-100k within 5 epochs)")
     ap.add_argument("--detect-epochs", type=int, default=None, help="epochs of each detection run (5 quick, 10 full)")
-    ap.add_argument("--cases", default="abc", help="detection cases to run: a (toggling), b (group conflict), c (dead)")
+    ap.add_argument("--cases", default="abch", help="detection cases to run: a (toggling), b (group conflict), c (dead), "
+                    "h (no fault: what the zombie rule says of healthy tables)")
     ap.add_argument("--report-every", type=int, default=50,
                     help="overhead: the collection's report interval (it tracks every step whatever this is)")
     ap.add_argument("--sink", choices=["http", "memory"], default="http",

@@ -710,10 +710,10 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
 {
     unsigned long long state_p, w_p, inwin_p, counts_p, win_p, z_p, r_p, nf_p, d_p, sample_p, pad_p, out_p, x_p;
     Py_ssize_t C, rows, dim, n_win, n_z, n_r, n_nf, n_d, n_sample, n_pad, k, dead_scan, n_x;
-    double min_touches;
-    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKnKnnndKKn", &state_p, &C, &rows, &dim, &w_p, &inwin_p, &counts_p,
+    double min_touches, mad_sigma;
+    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKnKnnnddKKn", &state_p, &C, &rows, &dim, &w_p, &inwin_p, &counts_p,
                           &win_p, &n_win, &z_p, &n_z, &r_p, &n_r, &nf_p, &n_nf, &d_p, &n_d, &sample_p,
-                          &n_sample, &pad_p, &n_pad, &k, &dead_scan, &min_touches, &out_p, &x_p, &n_x))
+                          &n_sample, &pad_p, &n_pad, &k, &dead_scan, &min_touches, &mad_sigma, &out_p, &x_p, &n_x))
         return NULL;
     if (C < 8 || rows < 0 || dim <= 0 || n_win < 0 || n_z < 0 || n_z > k || n_r < 0 || n_r > k || n_nf < 0
         || n_nf > k || n_d < 0 || n_d > k || n_sample < 0 || n_pad < 0 || k < 0 || out_p == 0 || n_x < 0
@@ -791,6 +791,14 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     }
     touch_median = lower_median(touched_v, n_t);
     occ_median = lower_median(occ_v, n_occ);
+    /* the spread of the log energy per lookup: MAD_SIGMA x the median |ln(energy / median)| of the same rows
+     * (a robust standard deviation), NaN without a positive median */
+    float spread = NAN;
+    if (occ_median > 0) {
+        for (Py_ssize_t i = 0; i < n_occ; i++)
+            occ_v[i] = fabsf(logf(occ_v[i] / occ_median));
+        spread = lower_median(occ_v, n_occ) * (float)mad_sigma;
+    }
     const float often = touch_median == touch_median ? touch_median : INFINITY;
     const float occ_ref = occ_median == occ_median ? occ_median : INFINITY;
 
@@ -848,7 +856,7 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     /* out: the scalars, the non-finite ids, the zombies' ids and columns, the rarest's, the collapse
      * statistics (effective rank, mean cosine, rows), the dead ids */
     double untouched_bad = 0, nan_count = 0, inf_count = 0;
-    double *o = out + 9;
+    double *o = out + 10;
     for (Py_ssize_t i = 0; i < nnf; i++) {
         const int64_t row = bad[i];
         nfl[i] = row;
@@ -880,8 +888,8 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     o += 3;
     for (Py_ssize_t i = 0; i < nd; i++)
         o[i] = (double)dl[i];
-    const double scalars[9] = {(double)counts[0], (double)counts[1], (double)counts[2], (double)neg, (double)n_occ,
-                               touch_median, untouched_bad, nan_count, inf_count};
+    const double scalars[10] = {(double)counts[0], (double)counts[1], (double)counts[2], (double)neg, (double)n_occ,
+                                touch_median, untouched_bad, nan_count, inf_count, spread};
     memcpy(out, scalars, sizeof scalars);
     Py_END_ALLOW_THREADS
     free(xsum);
@@ -995,7 +1003,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 9
+#define FASTATS_VERSION 10
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

@@ -84,6 +84,9 @@ NOISE_SNR = EMA_ALPHA / (2 - EMA_ALPHA)
 # A row's direction statistics count once it was touched this many times (10 observations past the
 # fast window).
 MIN_TOUCHES = 20
+# A median absolute deviation times this is the standard deviation of a normal distribution: the
+# reports' ``noise_spread`` is the median |ln(energy / median)| of a table's sampled rows times it.
+MAD_SIGMA = 1.4826
 # Rows listed per table and kind in a report (the worst ones).
 TOP_ROWS = 256
 # Rows sampled for effective rank and mean pairwise cosine.
@@ -625,7 +628,7 @@ class TableState:
         go to the lower row id. A natively tracked table is summarised by the kernel (report_rows, the
         same lists and counts); here each set of rows is gathered once: ~60 operations a table.
 
-        Layout (see _decode): 9 scalars, the non-finite ids, the zombies' ids and five columns, the
+        Layout (see _decode): 10 scalars, the non-finite ids, the zombies' ids and five columns, the
         rarest's, the collapse statistics (3), the dead ids."""
         if self.native and _kernel_reads(self.weight):
             return self._native_report(sampled)
@@ -656,9 +659,11 @@ class TableState:
         self.nonfinite_ids = cand[bad][:k]
         self._refill_dead(k)
 
-        # The fixed sample: the share of eligible rows with negative consistency, and the collapse.
+        # The fixed sample: the share of eligible rows with negative consistency, the spread of their
+        # energy per lookup, and the collapse.
         el = (ss[0] >= MIN_TOUCHES) & ~(ss[7] > 0)
         neg = torch.stack([(el & (ss[2] < 0)).sum(), el.sum()])  # consistency < 0: its numerator < 0
+        spread = _log_spread(ss[6], el, self.occ_median)
         rank, cosine, sampled = self._collapse(sampled, (ss[0] > 0) & ~(ss[7] > 0))
         nf = self.nonfinite_ids.numel()
         if nf:  # on the worker, read a step or two after the report's step: a row gone NaN or inf stays so
@@ -667,7 +672,7 @@ class TableState:
         else:
             bad_stats = torch.zeros(3, dtype=torch.long, device=dev)
         parts = [torch.cat([self.counts, neg]).to(f64), self.touch_median.to(f64)[None], bad_stats.to(f64),
-                 self.nonfinite_ids.to(f64),
+                 spread.to(f64)[None], self.nonfinite_ids.to(f64),
                  self.zombie_ids.to(f64), cols.index_select(1, zpos).to(f64).reshape(-1),
                  self.rare_ids.to(f64), cols.index_select(1, rpos).to(f64).reshape(-1),
                  torch.stack([rank, cosine, sampled]).to(f64), self.dead_ids.to(f64)]
@@ -682,7 +687,7 @@ class TableState:
         k = min(TOP_ROWS, self.rows)
         z, r, nf, dead = self._lists  # the four lists view these (the torch report never ran here)
         window, self._win_n = self._win_n, 0  # the kernel clears the window's flags: it starts again empty
-        out = torch.empty(12 + 14 * k, dtype=torch.float64)
+        out = torch.empty(13 + 14 * k, dtype=torch.float64)
         # The collapse statistics' rows, as float64 (the kernel copies them in and sums their unit vectors).
         x = self._collapse_rows
         if x is None and self.dim >= 4:
@@ -694,11 +699,11 @@ class TableState:
             z.data_ptr(), self.zombie_ids.numel(), r.data_ptr(), self.rare_ids.numel(),
             nf.data_ptr(), self.nonfinite_ids.numel(), dead.data_ptr(), self.dead_ids.numel(),
             self.sample.data_ptr(), self.sample.numel(), self.padding.data_ptr(),
-            self.padding.numel(), k, self.dead_scan, MIN_TOUCHES, out.data_ptr(),
+            self.padding.numel(), k, self.dead_scan, MIN_TOUCHES, MAD_SIGMA, out.data_ptr(),
             0 if x is None else x.data_ptr(), 0 if x is None else x.shape[0])
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = z[:nz], r[:nr], nf[:nnf], dead[:nd]
         self.touch_median, self.occ_median = torch.tensor(touch_median), torch.tensor(occ_median)
-        at = 9 + nnf + 6 * (nz + nr)
+        at = 10 + nnf + 6 * (nz + nr)
         if m >= 2:  # the kernel wrote the mean cosine and the rows; the rank, from the rows' eigenvalues
             out[at] = _rank_of(torch.linalg.eigvalsh(_gram(x[:m])).tolist())
         plan = {"window": window, "dead": nd, "nonfinite": nnf, "zombies": nz, "rarest": nr}
@@ -775,6 +780,14 @@ def _zombie_score(eligible: torch.Tensor, noise: torch.Tensor, consistency: torc
     return torch.where(eligible, score, torch.full_like(score, float("-inf")))
 
 
+def _log_spread(occ: torch.Tensor, eligible: torch.Tensor, median: torch.Tensor) -> torch.Tensor:
+    """The spread of the log energy per lookup of the ``eligible`` rows: MAD_SIGMA x the median of
+    |ln(occ / median)| (a standard deviation that the few outlying rows a rule looks for do not move).
+    NaN without a positive median."""
+    dev = torch.where(eligible, (occ / median).log().abs(), torch.full_like(occ, float("nan")))
+    return torch.where(median > 0, dev.nanmedian() * MAD_SIGMA, torch.full_like(median, float("nan")))
+
+
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return num / den.clamp_min(1e-30)
 
@@ -836,7 +849,8 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
         return x if isfinite(x) else None
 
     touched, nonfinite, eligible, neg_sample, eligible_sample, median, untouched_bad, nan_count, inf_count = raw[:9]
-    at = 9
+    spread = raw[9]
+    at = 10
 
     def take(n: int) -> list[float]:
         nonlocal at
@@ -868,6 +882,7 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
         "nonfinite_rows": int(nonfinite), "median_touches": num(median), "eligible_rows": int(eligible),
         # estimated from the fixed sample of rows
         "negative_consistency_rows": round(neg_sample / max(eligible_sample, 1.0) * eligible),
+        "noise_spread": num(spread),
         "effective_rank": num(rank), "mean_cosine": num(cosine), "sampled_rows": int(sampled),
         "zombies": rowlist(z_at, plan["zombies"]),
         "rarest": rowlist(r_at, plan["rarest"]),

@@ -20,7 +20,7 @@ from diag_server.rules import Observations
 from diag_server.rules.embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
 from probes.embeddings import EMA_ALPHA, NOISE_SNR, SKETCH_DIM, SLOW_ALPHA, Embeddings, TableState
 from schemas import IngestBatch
-from schemas.enums import AnomalyKind
+from schemas.enums import AnomalyKind, Severity
 
 
 class Toy(torch.nn.Module):
@@ -436,7 +436,7 @@ def test_the_kernel_builds_the_listed_rows_as_the_python_decoder_does(monkeypatc
     kernel, nan, inf = probes.stats._fastats, float("nan"), float("inf")
     zombies = [[3.0, 9.0], [40.0, 21.0], [0.5, 0.25], [-0.3, nan], [0.04, 0.05], [3.5, inf]]
     rarest = [[12.0], [1.0], [0.0], [0.0], [-inf], [0.0]]
-    raw = [2.0, 0.0, 2.0, 1.0, 2.0, 21.0, 0.0, 0.0, 0.0] + [c for col in zombies for c in col] \
+    raw = [2.0, 0.0, 2.0, 1.0, 2.0, 21.0, 0.0, 0.0, 0.0, 0.4] + [c for col in zombies for c in col] \
         + [c for col in rarest for c in col] + [4.0, 0.1, 2.0] + [5.0]
     plan = {"window": 3, "nonfinite": 0, "zombies": 2, "rarest": 1, "dead": 1}
     t = SimpleNamespace(rows=20, dim=2, sparse=False, padding=torch.empty(0))
@@ -449,7 +449,7 @@ def test_the_kernel_builds_the_listed_rows_as_the_python_decoder_does(monkeypatc
     assert z[1]["consistency"] is None and z[1]["noise"] is None and type(z[1]["row"]) is int
     assert native["embedding"]["rarest"] == [{"row": 12, "touches": 1, "velocity": 0.0, "consistency": 0.0,
                                               "snr": None, "noise": 0.0}]
-    assert native["embedding"]["dead_ids"] == [5]
+    assert native["embedding"]["dead_ids"] == [5] and native["embedding"]["noise_spread"] == 0.4
     with pytest.raises(ValueError, match="six columns"):
         kernel.row_dicts(raw, len(raw) - 5, 1, probes.embeddings._ROW_KEYS)
     with pytest.raises(TypeError):
@@ -501,6 +501,7 @@ def test_the_native_report_lists_what_the_torch_report_lists(rows: int, dim: int
         for key in ("dead_ids", "nonfinite_ids", "touched_rows", "never_updated", "nonfinite_rows", "eligible_rows",
                     "median_touches", "negative_consistency_rows", "sampled_rows"):
             assert a[key] == b[key], key
+        assert a["noise_spread"] == pytest.approx(b["noise_spread"], rel=1e-5) and a["noise_spread"] > 0
         for key in ("effective_rank", "mean_cosine"):  # None below 4 columns
             assert (a[key] is None) == (b[key] is None) == (dim < 4)
             assert a[key] is None or a[key] == pytest.approx(b[key])
@@ -787,6 +788,34 @@ def test_zombie_rule_fires_on_rows_past_its_thresholds_in_consecutive_reports_on
     assert ZombieEmbedding(reports=1).observe({}, report(100, {1, 2, 3}))  # reports=1: one report is enough
 
 
+def test_zombie_rule_tells_rows_that_stand_out_from_the_tail_the_tables_spread_gives_by_chance() -> None:
+    """Ten thousand healthy rows put dozens past 2.5x the median energy per lookup: on a table of that size
+    and spread, 30 rows at 3-4x are its tail (an info finding that says so), and 5 rows at 8x stand out of
+    it: zombies, named alone, a warning. On a table of 200 rows the same 30 are far more than chance gives.
+    A report without the spread (an older probe) is judged on the fixed thresholds."""
+    tail = [3.0 + i / 30 for i in range(30)]
+
+    def judge(noises: list[float], eligible: int, spread: float | None):
+        rows = [{"row": i, "touches": 200, "velocity": 0.1, "consistency": -0.1, "snr": 0.05, "noise": x}
+                for i, x in enumerate(noises)]
+        summary = {"rows": max(eligible, len(rows)), "eligible_rows": eligible, "median_touches": 100.0,
+                   "noise_spread": spread, "zombies": sorted(rows, key=lambda r: -r["noise"])}
+        obs = Observations(run="r", stats={"embeddings": {s: [{"name": "t.weight", "embedding": summary}]
+                                                          for s in (100, 200)}})
+        [f] = ZombieEmbedding().observe({}, obs)
+        return f, sorted(int(r) for r in f.evidence["rows"])
+
+    f, named = judge(tail, 10_000, 0.5)
+    assert f.severity == Severity.info and named == list(range(30)) and not f.evidence["stand_out"]
+    assert f.evidence["expected_by_chance"] > 30 and "they are its tail, not ids with conflicting targets" in f.message
+    f, named = judge(tail + [8.0] * 5, 10_000, 0.5)
+    assert f.severity == Severity.warning and named == list(range(30, 35)) and f.evidence["past_thresholds"] == 35
+    assert f.evidence["least_noise"] == 8.0 and f.evidence["expected_by_chance"] < 1 and "by chance" in f.message
+    for eligible, spread in ((200, 0.5), (10_000, None)):
+        f, named = judge(tail, eligible, spread)
+        assert f.severity != Severity.info and f.evidence["stand_out"] and named == list(range(30))
+
+
 def test_rules_ignore_other_collections_and_round_trip_state() -> None:
     obs = Observations(run="r", stats={"weights": {0: [{"name": "w", "norm": 1.0}]}})
     for rule in (ZombieEmbedding(), DeadEmbedding(), EmbeddingCollapse()):
@@ -1054,6 +1083,8 @@ def test_a_recommender_with_the_default_collections_flags_its_toggling_items_and
     flagged = kinds["rec-toggling"]
     assert flagged and {a["kind"] for a in flagged} == {"zombie_embedding"}
     assert {a["tensors"][0] for a in flagged} <= {"item.weight", "item_bias.weight"}
+    assert all(a["severity"] in ("warning", "critical") for a in flagged)  # zombies that stand out, not a tail
+    assert all(a["evidence"]["stand_out"] for a in flagged if a["tensors"] == ["item.weight"])
     named = {int(r) for a in flagged for r in a["evidence"]["rows"]}
     assert len(named) >= 4 and named <= set(range(8))
     # Both item tables name mostly the same items: the diagnosis calls it one problem, not two.
