@@ -204,10 +204,11 @@ def register(main: click.Group) -> None:
                 return (f"no embedding tables reported in {run} (the embeddings collection is off, or the model "
                         "has no nn.Embedding / nn.EmbeddingBag)")
             out = [table(["TABLE", "RANK", "STEP", "ROWS", "DIM", "UPDATED", "NEVER", "NONFINITE", "MEDIAN UPD",
-                          "EFF RANK", "MEAN COS"],
+                          "NOISE SPREAD", "EFF RANK", "MEAN COS"],
                          [[t.name, t.rank, t.step, t.summary.rows, t.summary.dim, t.summary.touched_rows,
                            t.summary.never_updated, t.summary.nonfinite_rows, t.summary.median_touches,
-                           t.summary.effective_rank, t.summary.mean_cosine] for t in got.tables])]
+                           t.summary.noise_spread, t.summary.effective_rank, t.summary.mean_cosine]
+                          for t in got.tables])]
             for t in got.tables:
                 if t.summary.zombies:
                     out += ["", f"{t.name} (rank {t.rank}): rows most like zombies, worst first",

@@ -1030,6 +1030,7 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["TABLE", "RANK", "STEP"] and lines[2].split()[:8] == ["table.weight", "0", "80",
                                                                                          "40", "2", "38", "2", "0"]
+    assert "NOISE SPREAD" in lines[0] and float(lines[2].split()[9]) > 0  # what a row's noise is read against
     at = lines.index("table.weight (rank 0): rows most like zombies, worst first")
     assert sorted(int(line.split()[0]) for line in lines[at + 3:at + 6]) == [3, 17, 29]
     assert "table.weight: never updated: 5, 33" in lines
