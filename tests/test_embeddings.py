@@ -456,6 +456,26 @@ def test_the_kernel_builds_the_listed_rows_as_the_python_decoder_does(monkeypatc
         kernel.row_dicts(raw, 0, 1, list(probes.embeddings._ROW_KEYS))
 
 
+def test_noise_spread_is_the_standard_deviation_of_the_log_energy_that_outliers_do_not_move() -> None:
+    """noise_spread reads as a standard deviation of ln(energy per lookup): 0.5 for log-normal energies of
+    sigma 0.5, whatever their scale, and still 0.5 with 3% of the rows (zombies) at 20x the median; NaN
+    without a positive median."""
+    gen = torch.Generator().manual_seed(0)
+    occ = 3.0 * torch.exp(0.5 * torch.randn(4000, generator=gen))
+    every = torch.ones(4000, dtype=torch.bool)
+
+    def spread(x: torch.Tensor, eligible: torch.Tensor = every) -> float:
+        median = torch.where(eligible, x, torch.full_like(x, float("nan"))).nanmedian()
+        return float(probes.embeddings._log_spread(x, eligible, median))
+
+    assert spread(occ) == pytest.approx(0.5, abs=0.03)
+    zombies = occ.clone()
+    zombies[:120] = 20 * occ.median()
+    assert spread(zombies) == pytest.approx(0.5, abs=0.05)
+    assert spread(occ, torch.arange(4000) < 2000) == pytest.approx(0.5, abs=0.04)  # eligible rows only
+    assert math.isnan(spread(torch.zeros(10), torch.ones(10, dtype=torch.bool)))
+
+
 @pytest.mark.skipif(probes.stats._fastats is None, reason="the native kernel is not built (no C compiler at install)")
 @pytest.mark.parametrize("rows,dim", [(300, 16), (300, 1), (60, 3)], ids=["sketched", "bias", "small"])
 def test_the_native_report_lists_what_the_torch_report_lists(rows: int, dim: int) -> None:
