@@ -34,6 +34,7 @@ from agent_examples.jobs import toggle_labels
 from diag_server.fixes import embedding_scale_params
 from diag_server.rules import Observations
 from diag_server.rules.embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
+from diag_server.rules.loss import Overfitting
 from probes.embeddings import Embeddings
 from schemas.enums import AnomalyKind
 
@@ -134,10 +135,11 @@ def val_mse(model: MF, d: Data) -> float:
 # -- the in-process loop: probe -> events -> rules -> proposal -> command -> probe ---------------------
 @dataclass
 class Watch:
-    """Runs the embedding rules over a probe's own events, as the server would."""
+    """Runs the embedding rules (and the overfitting rule) over a probe's own events, as the server would."""
 
     sink: probes.MemorySink
-    rules: list = field(default_factory=lambda: [ZombieEmbedding(), DeadEmbedding(), EmbeddingCollapse()])
+    rules: list = field(default_factory=lambda: [ZombieEmbedding(), DeadEmbedding(), EmbeddingCollapse(),
+                                                 Overfitting()])
     states: dict = field(default_factory=dict)
     seen: int = 0
     findings: list = field(default_factory=list)
@@ -150,16 +152,22 @@ class Watch:
             for ev in b["events"]:
                 if ev["kind"] == "tensor_stats" and ev["collection"] == "embeddings":
                     obs.stats.setdefault("embeddings", {})[ev["step"]] = ev["rows"]
+                elif ev["kind"] == "scalars":
+                    for name, value in ev["values"].items():
+                        obs.scalars.setdefault(name, []).append((ev["step"], value))
         new = []
         for r in self.rules:
-            new += r.observe(self.states.setdefault(r.name, {}), obs)
+            new += r.observe(self.states.setdefault(r.name, r.initial_state()), obs)
         self.findings += new
         return new
 
 
-def train(d: Data, regime: str, seed: int, epochs: int, *, probe_on: bool = False, fix: bool = False,
+def train(d: Data, regime: str, seed: int, epochs: int, *, probe_on: bool = False, fix: str | None = None,
           targets=None, l2: float = 0.0, nan_at: int | None = None, sparse: bool = False) -> dict:
-    """One run. ``targets(epoch, order) -> ratings`` plants faults; returns curves, findings, probe."""
+    """One run. ``targets(epoch, order) -> ratings`` plants faults; returns curves, findings, probe.
+    ``fix``: when to apply the server's table fix (embedding_grad_scale over a table): 'zombie', as soon as
+    zombie_embedding fires on the table; 'overfit', once the overfitting rule fires on the validation MSE
+    (sent as val_loss after each epoch), on every table zombie_embedding has named so far."""
     torch.manual_seed(seed)
     model = MF(d.n_users, d.n_items, float(d.ratings.mean()), sparse=sparse)
     opt = make_optimizer(model, regime)
@@ -173,6 +181,15 @@ def train(d: Data, regime: str, seed: int, epochs: int, *, probe_on: bool = Fals
     g = torch.Generator().manual_seed(1000 + seed)
     n = len(d.ratings)
     curve, step, applied = [], 0, []
+
+    def apply(f) -> None:  # the server's first proposal for the finding's table, once a table
+        params = embedding_scale_params(f.kind, f.evidence)
+        if params and f.key not in applied:
+            sink.commands.append({"fix_id": f"f-{len(applied) + 1}", "op": "apply",
+                                  "action": "embedding_grad_scale", "params": params})
+            applied.append(f.key)
+            probe.flush()  # the reply carries the command; applied at the next step
+
     for epoch in range(epochs):
         order = torch.randperm(n, generator=g)
         r_all = targets(epoch, order) if targets else d.ratings[order]
@@ -193,16 +210,18 @@ def train(d: Data, regime: str, seed: int, epochs: int, *, probe_on: bool = Fals
                 if step % REPORT == 0:
                     probe.flush()
                     for f in watch.poll():
-                        if fix and f.kind == AnomalyKind.zombie_embedding and f.key not in applied:
-                            params = embedding_scale_params(f.kind, f.evidence)
-                            if params:
-                                sink.commands.append({"fix_id": f"f-{len(applied) + 1}", "op": "apply",
-                                                      "action": "embedding_grad_scale", "params": params})
-                                applied.append(f.key)
-                                probe.flush()  # the reply carries the command; applied at the next step
+                        if fix == "zombie" and f.kind == AnomalyKind.zombie_embedding:
+                            apply(f)
             step += 1
         model.eval()
         curve.append(val_mse(model, d))
+        if fix == "overfit":
+            probe.log(step=step - 1, val_loss=curve[-1])
+            probe.flush()
+            if any(f.kind == AnomalyKind.overfitting for f in watch.poll()):
+                for f in watch.findings:
+                    if f.kind == AnomalyKind.zombie_embedding:
+                        apply(f)
     if probe is not None:
         probe.flush()
         watch.poll()
@@ -321,16 +340,17 @@ def _matched(counts: torch.Tensor, planted: torch.Tensor, exclude: set[int], k: 
 
 
 # -- the fix -----------------------------------------------------------------------------------------------
-def fix_bench(d: Data, seeds: list[int], epochs: int, regimes: list[str]) -> None:
-    print(f"\n== fix: baseline vs embedding_grad_scale applied when zombie_embedding fires ({epochs} epochs, "
-          f"seeds {seeds}) ==")
+def fix_bench(d: Data, seeds: list[int], epochs: int, regimes: list[str], when: str = "zombie") -> None:
+    what = ("when zombie_embedding fires" if when == "zombie" else
+            "when the overfitting rule fires on the validation MSE, on the tables zombie_embedding named")
+    print(f"\n== fix: baseline vs embedding_grad_scale applied {what} ({epochs} epochs, seeds {seeds}) ==")
     print(f"{'regime':<13} {'seed':>4} {'base best':>9} {'fix best':>9} {'gain':>8} {'base final':>10} "
           f"{'fix final':>9} {'gain':>8}  fixes")
     for regime in regimes:
         gains_best, gains_final = [], []
         for seed in seeds:
             base = train(d, regime, seed, epochs)["curve"]
-            run = train(d, regime, seed, epochs, fix=True)
+            run = train(d, regime, seed, epochs, fix=when)
             fixed = run["curve"]
             gb, gf = min(base) - min(fixed), base[-1] - fixed[-1]
             gains_best.append(gb)
@@ -626,6 +646,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--detect-epochs", type=int, default=None, help="epochs of each detection run (5 quick, 10 full)")
     ap.add_argument("--cases", default="abch", help="detection cases to run: a (toggling), b (group conflict), c (dead), "
                     "h (no fault: what the zombie rule says of healthy tables)")
+    ap.add_argument("--fix-when", choices=["zombie", "overfit"], default="zombie",
+                    help="fix: apply the table fix when zombie_embedding fires (default), or once the overfitting "
+                    "rule fires on the validation MSE, on the tables zombie_embedding named (what the server proposes "
+                    "for an overfitting anomaly)")
     ap.add_argument("--report-every", type=int, default=50,
                     help="overhead: the collection's report interval (it tracks every step whatever this is)")
     ap.add_argument("--sink", choices=["http", "memory"], default="http",
@@ -652,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         detect(d, seeds[:1] if args.quick else seeds, args.detect_epochs or (5 if args.quick else 10), args.detect_regime,
                args.cases)
     if args.what in ("all", "fix"):
-        fix_bench(d, seeds, epochs, args.regimes.split(","))
+        fix_bench(d, seeds, epochs, args.regimes.split(","), args.fix_when)
     if args.what in ("all", "overhead"):
         overhead(d, repeats=3 if args.quick else 5, steps=100 if args.quick else 300, report_every=args.report_every,
                  sink=args.sink, cases=args.overhead_cases, big_dim=args.big_dim)
