@@ -239,17 +239,24 @@ def table_of(run: dict, name: str):
     return coll.table(name)
 
 
-def flagged(run: dict, kind: AnomalyKind, table: str) -> set[int]:
-    """The rows the rule's last warning on ``table`` named (a zombie finding that is only the table's tail,
-    an info, names rows that do not stand out: not counted)."""
-    fs = [f for f in run["watch"].findings if f.kind == kind and f.key == table and f.evidence.get("stand_out", True)]
-    return {int(x) for x in fs[-1].evidence["rows"]} if fs else set()
+def _last(watch: Watch, kind: AnomalyKind, table: str, standing: bool | None = None):
+    """The rule's last finding of ``kind`` on ``table`` (of those that stand out, or not, when asked): a
+    zombie finding that is the table's tail (an info) names rows that do not stand out."""
+    fs = [f for f in watch.findings if f.kind == kind and f.key == table
+          and (standing is None or f.evidence.get("stand_out", True) == standing)]
+    return fs[-1] if fs else None
 
 
-def tail_rows(run: dict, table: str) -> int:
+def flagged(watch: Watch, kind: AnomalyKind, table: str) -> set[int]:
+    """The rows the rule's last warning on ``table`` named."""
+    f = _last(watch, kind, table, standing=True)
+    return {int(x) for x in f.evidence["rows"]} if f else set()
+
+
+def tail_rows(watch: Watch, table: str) -> int:
     """Rows named by the zombie rule's last finding on ``table`` when it was the table's tail (info)."""
-    fs = [f for f in run["watch"].findings if f.kind == AnomalyKind.zombie_embedding and f.key == table]
-    return len(fs[-1].evidence["rows"]) if fs and not fs[-1].evidence.get("stand_out", True) else 0
+    f = _last(watch, AnomalyKind.zombie_embedding, table)
+    return len(f.evidence["rows"]) if f and not f.evidence.get("stand_out", True) else 0
 
 
 def pr(found: set[int], truth: set[int]) -> tuple[float, float]:
@@ -277,10 +284,11 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
             return r
 
         run = train(d, regime, seed, epochs, probe_on=True, targets=toggling) if "a" in cases else None
-        found = set() if run is None else flagged(run, AnomalyKind.zombie_embedding, "item.weight")
+        found = set() if run is None else flagged(run["watch"], AnomalyKind.zombie_embedding, "item.weight")
         if run is not None:
-            fb = flagged(run, AnomalyKind.zombie_embedding, "item_bias.weight")
-            fu = flagged(run, AnomalyKind.zombie_embedding, "user.weight") | flagged(run, AnomalyKind.zombie_embedding, "user_bias.weight")
+            zombie = AnomalyKind.zombie_embedding
+            fb = flagged(run["watch"], zombie, "item_bias.weight")
+            fu = flagged(run["watch"], zombie, "user.weight") | flagged(run["watch"], zombie, "user_bias.weight")
             cells = [f"{label} precision {pr(f, zset)[0]:.2f} recall {pr(f, zset)[1]:.2f} ({len(f)} flagged)"
                  for label, f in (("item.weight", found), ("item_bias.weight", fb), ("either item table", found | fb))]
             print(f"seed {seed} (a) toggling zombies: " + "; ".join(cells) + f"; user rows flagged: {len(fu)}")
@@ -288,9 +296,10 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
         # (h) the same run without a fault: what the zombie rule says of healthy tables.
         run = train(d, regime, seed, epochs, probe_on=True) if "h" in cases else None
         if run is not None:
+            w = run["watch"]
             print(f"seed {seed} (h) unplanted: zombie rows named by a warning "
-                  + ", ".join(f"{t} {len(flagged(run, AnomalyKind.zombie_embedding, t))}" for t in TABLES)
-                  + "; as the table's tail (info) " + ", ".join(f"{t} {tail_rows(run, t)}" for t in TABLES))
+                  + ", ".join(f"{t} {len(flagged(w, AnomalyKind.zombie_embedding, t))}" for t in TABLES)
+                  + "; as the table's tail (info) " + ", ".join(f"{t} {tail_rows(w, t)}" for t in TABLES))
 
         # (b) 50 items (>= 20 training ratings, not the top 100) whose ratings flip for half of the users.
         pool = torch.nonzero(counts >= 20).reshape(-1)
@@ -320,7 +329,7 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
         for label, kw in (("plain", {}), ("L2 1e-4 in the loss", {"l2": 1e-4}),
                           ("NaN divergence", {"nan_at": (epochs - 1) * (len(dc.ratings) // BATCH)})) if "c" in cases else ():
             run = train(dc, regime, seed, epochs, probe_on=True, **kw)
-            found = flagged(run, AnomalyKind.dead_embedding, "item.weight")
+            found = flagged(run["watch"], AnomalyKind.dead_embedding, "item.weight")
             p, rc = pr(found, truth)
             t = table_of(run, "item.weight")
             nonfinite = int(t.nonfinite.sum())
@@ -574,13 +583,12 @@ def longtail_bench(seed: int = 0, steps: int = 3000, rows: int = 1_000_000, plan
     probe.close()
     zombies = ZombieEmbedding()
     for name, values in medians.items():
-        run = {"watch": watch}
-        found = flagged(run, AnomalyKind.zombie_embedding, name)
+        found = flagged(watch, AnomalyKind.zombie_embedding, name)
         judged = sum(v >= zombies.p.min_median_touches for v in values)
         truth = planted if name != "user.weight" else set()
         tp = len(found & truth)
         print(f"{name}: median touched row's updates at the last report {values[-1]:.0f}; judged in {judged} of "
-              f"{len(values)} reports; {len(found)} rows named by a warning, {tail_rows(run, name)} as the "
+              f"{len(values)} reports; {len(found)} rows named by a warning, {tail_rows(watch, name)} as the "
               "table's tail (info)"
               + (f", precision {tp / len(found):.2f}" if found and truth else "")
               + (f", recall {tp / len(truth):.2f}" if truth else ""))
@@ -647,9 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="abch", help="detection cases to run: a (toggling), b (group conflict), c (dead), "
                     "h (no fault: what the zombie rule says of healthy tables)")
     ap.add_argument("--fix-when", choices=["zombie", "overfit"], default="zombie",
-                    help="fix: apply the table fix when zombie_embedding fires (default), or once the overfitting "
-                    "rule fires on the validation MSE, on the tables zombie_embedding named (what the server proposes "
-                    "for an overfitting anomaly)")
+                    help="fix: apply the table fix when zombie_embedding fires (default, what the server proposes), "
+                    "or once the overfitting rule fires on the validation MSE, on the tables zombie_embedding named "
+                    "(measured, not proposed: docs/embeddings.md)")
     ap.add_argument("--report-every", type=int, default=50,
                     help="overhead: the collection's report interval (it tracks every step whatever this is)")
     ap.add_argument("--sink", choices=["http", "memory"], default="http",

@@ -34,9 +34,11 @@ def _latest(obs: Observations) -> dict[str, tuple[int, dict]]:
     return latest
 
 
-def _tail(z: float) -> float:
-    """P(Z > z) for a standard normal Z."""
-    return NormalDist().cdf(-z)
+def _by_chance(e: dict, noise: float) -> float | None:
+    """Rows of the table (its eligible rows, their log energy per lookup a normal of the reported spread)
+    expected at ``noise`` x the median or above by chance; None without a spread (an older probe)."""
+    spread = e.get("noise_spread")
+    return (e.get("eligible_rows") or 0) * NormalDist().cdf(-math.log(noise) / spread) if spread else None
 
 
 class ZombieEmbedding(Rule):
@@ -91,10 +93,9 @@ class ZombieEmbedding(Rule):
         table's noise_spread), the most extreme k rows for the largest k at which N x p of the k-th is at most
         max_chance x k (Benjamini-Hochberg). A wide table's tail, not its zombies, crosses a fixed ratio: ten
         thousand healthy rows put dozens past 2.5x the median. All of ``rows`` without a spread (an older probe)."""
-        spread, n = e.get("noise_spread"), e.get("eligible_rows") or 0
-        if not spread or not rows or n <= 0:
+        if not e.get("noise_spread") or not rows or not e.get("eligible_rows"):
             return rows
-        chance = sorted((n * _tail(math.log(r["noise"]) / spread), i) for i, r in enumerate(rows))
+        chance = sorted((_by_chance(e, r["noise"]), i) for i, r in enumerate(rows))
         k = max((j for j, (c, _) in enumerate(chance, 1) if c <= self.p.max_chance * j), default=0)
         named = {i for _, i in chance[:k]}
         return [r for i, r in enumerate(rows) if i in named]
@@ -130,12 +131,11 @@ class ZombieEmbedding(Rule):
         for name, (step, e, confirmed, qualifying) in latest.items():
             if len(confirmed) < self.p.min_rows:
                 continue
-            spread = e.get("noise_spread")
             standing = self._past_chance(confirmed, e)
             zombies = len(standing) >= self.p.min_rows
             bad = standing if zombies else confirmed
             least = min(r["noise"] for r in bad)
-            chance = (e.get("eligible_rows") or 0) * _tail(math.log(least) / spread) if spread else None
+            chance = _by_chance(e, least)
             listed = e.get("zombies") or []
             rows = max(e.get("rows") or 1, 1)
             fraction = len(bad) / rows
@@ -169,7 +169,7 @@ class ZombieEmbedding(Rule):
                           "noise": [r["noise"] for r in bad[:EVIDENCE_ROWS]],
                           "consistency": [r["consistency"] for r in bad[:EVIDENCE_ROWS]],
                           "snr": [r["snr"] for r in bad[:EVIDENCE_ROWS]],
-                          "min_noise": self.p.min_noise, "least_noise": least, "noise_spread": spread,
+                          "min_noise": self.p.min_noise, "least_noise": least, "noise_spread": e.get("noise_spread"),
                           "expected_by_chance": chance, "max_chance": self.p.max_chance,
                           "max_consistency": self.p.max_consistency, "max_snr": self.p.max_snr}))
         return out
