@@ -218,7 +218,9 @@ def register(main: click.Group) -> None:
                 if t.summary.dead_ids:
                     shown = ", ".join(str(i) for i in t.summary.dead_ids)
                     more = t.summary.never_updated - len(t.summary.dead_ids)
-                    out += ["", f"{t.name}: never updated: {shown}" + (f" (+{more} more)" if more > 0 else "")]
+                    what = (f"never looked up (tied to {', '.join(t.summary.tied_to)}, they learn through it)"
+                            if t.summary.tied_to else "never updated")
+                    out += ["", f"{t.name}: {what}: {shown}" + (f" (+{more} more)" if more > 0 else "")]
             return "\n".join(out)
 
         c.run(f"/v1/runs/{run}/embeddings", show, table=table_name, rows=rows)

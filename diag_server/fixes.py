@@ -189,13 +189,25 @@ def embedding_scale_params(kind: AnomalyKind, evidence: dict, *, scope: str = "t
         if scope == "rows":
             params["rows"] = [int(r) for r in evidence.get("rows") or [] if isinstance(r, (int, float))]
         return params
-    if kind == AnomalyKind.dead_embedding and (evidence.get("rare_rows") or 0) > 0:
+    # A tied table's rare rows learn mostly as outputs: up-weighting their gradient would push those outputs
+    # harder, not help their lookups.
+    if kind == AnomalyKind.dead_embedding and (evidence.get("rare_rows") or 0) > 0 and not evidence.get("tied_to"):
         return {"table": table, "starved_below": 0.25, "max_factor": 4.0, "min_factor": 1.0, "mode": "update"}
     return None
 
 
 def _embedding(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
     params = embedding_scale_params(a.kind, a.evidence)
+    tied = a.evidence.get("tied_to") or []
+    if a.kind == AnomalyKind.dead_embedding and tied:
+        return [Candidate(
+            FixAction.advice, {"instructions": f"Nothing to apply if these ids are meant to be absent from the inputs "
+                               f"(vocabulary the data does not use). If they should appear, check the tokenizer and "
+                               f"the data pipeline. If the outputs should never predict them either, mask their logits "
+                               f"(set them to -inf before the loss) so that '{tied[0]}' stops pushing them down."},
+            f"'{a.evidence.get('table')}' is tied to {', '.join(tied)}: its rows never looked up still learn there as "
+            "outputs, so they are unused ids, not rows that learn nothing; up-weighting their gradient would only "
+            "push those outputs harder.", "None needed for unused ids.", "low", live=False)]
     if params is None:
         return []
     if a.kind == AnomalyKind.zombie_embedding:

@@ -120,6 +120,15 @@ def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, l
     return list(seen.values())
 
 
+def tied_to(model: torch.nn.Module, weight: torch.nn.Parameter) -> tuple[str, ...]:
+    """The parameters of other modules that are ``weight`` itself (weight tying: a language model's output
+    projection is often its token table, ``lm_head.weight = wte.weight``). Through them every row of the
+    table learns, looked up or not; the rules say so."""
+    return tuple(f"{name}.{pname}" if name else pname for name, m in model.named_modules()
+                 if not isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                 for pname, p in m.named_parameters(recurse=False) if p is weight)
+
+
 def _kernel_reads(weight: torch.Tensor) -> bool:
     """Whether the native kernel can track this table: it reads float32 rows in place, on the CPU."""
     return (stats._fastats is not None and weight.is_cpu and weight.dtype is torch.float32
@@ -147,8 +156,9 @@ class TableState:
     """Per-row statistics of one table, on its device. O(rows) memory."""
 
     def __init__(self, name: str, weight: torch.nn.Parameter, modules: list[torch.nn.Module],
-                 sketch_dim: int = SKETCH_DIM, seed: int = 0) -> None:
+                 sketch_dim: int = SKETCH_DIM, seed: int = 0, tied: tuple[str, ...] = ()) -> None:
         self.name, self.weight, self.modules = name, weight, modules
+        self.tied = tied  # other modules' parameters that are this weight (see tied_to)
         rows, dim = weight.shape
         dev = weight.device
         self.rows, self.dim = rows, dim
@@ -889,6 +899,8 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
         "dead_ids": [int(i) for i in dead_idx],
         "nonfinite_ids": [int(i) for i in nf_idx],
     }
+    if table.tied:
+        summary["tied_to"] = list(table.tied)
     return {"name": name, "numel": table.rows * table.dim, "nan_count": int(nan_count),
             "inf_count": int(inf_count), "embedding": summary}
 
@@ -1012,7 +1024,8 @@ class Embeddings(Collection):
                      "ranks (FSDP2); per-row statistics need a whole table on one rank, so "
                      f"{'it is' if len(left_out) == 1 else 'they are'} not tracked (leave the table out of "
                      "fully_shard to track it)") if left_out else None
-        self.tables = [TableState(n, w, mods, seed=i) for i, (n, w, mods) in enumerate(found) if n not in left_out]
+        self.tables = [TableState(n, w, mods, seed=i, tied=tied_to(probe.model, w))
+                       for i, (n, w, mods) in enumerate(found) if n not in left_out]
         self._handles: list[Any] = []
         self._queues: list[TableState] = []  # the queued path's tables (see quiet())
         self._step = 0

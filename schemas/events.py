@@ -136,6 +136,10 @@ class EmbeddingSummary(_Model):
     dead_ids: list[int] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
                                 description="Finite rows never updated, lowest ids first.")
     nonfinite_ids: list[int] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS)
+    tied_to: list[TensorName] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
+                                      description="Parameters of other modules that are this table's weight (weight "
+                                      "tying, e.g. an output projection): through them every row learns, looked up "
+                                      "or not, so a row never looked up is not one that never learns.")
 
 
 class StatRow(_Model):

@@ -181,6 +181,19 @@ def test_a_recommender_run_shows_its_embedding_tables(live, browser) -> None:
     assert cells[:6] == ["table.weight", "80", "40", "38", "2", "0"] and float(cells[7]) > 0  # the noise spread
     assert sorted(int(z.split(":")[0]) for z in cells[-1].split(" · ")[:3]) == [3, 17, 29]
     assert page.locator("#embeddings-panel").is_visible() and errors == []
+
+    # A language model whose output projection is its token table: the table says what it is tied to.
+    from tests.test_embeddings import TinyLM, train_lm
+    model = TinyLM(40, tie=True)
+    probe = probes.attach(model, torch.optim.Adam(model.parameters(), lr=0.01), server=srv.url, run="dash-tied",
+                          token=PEOPLE_TOKEN, collections={"embeddings": 20})
+    train_lm(model, probe, 21, inputs=36)
+    assert probe.flush()
+    probe.close()
+    page.goto(f"{srv.url}/runs/dash-tied")
+    row = page.locator("#embeddings tbody tr[data-table='wte.weight']")
+    row.wait_for(timeout=WAIT_MS)
+    assert row.locator("td").first.inner_text() == "wte.weight · tied to lm_head.weight" and errors == []
     page.close()
 
 

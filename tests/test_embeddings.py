@@ -16,6 +16,7 @@ import torch
 import probes
 import probes.embeddings
 import probes.stats
+from diag_server.fixes import embedding_scale_params
 from diag_server.rules import Observations
 from diag_server.rules.embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
 from probes.embeddings import EMA_ALPHA, NOISE_SNR, SKETCH_DIM, SLOW_ALPHA, Embeddings, TableState
@@ -439,7 +440,7 @@ def test_the_kernel_builds_the_listed_rows_as_the_python_decoder_does(monkeypatc
     raw = [2.0, 0.0, 2.0, 1.0, 2.0, 21.0, 0.0, 0.0, 0.0, 0.4] + [c for col in zombies for c in col] \
         + [c for col in rarest for c in col] + [4.0, 0.1, 2.0] + [5.0]
     plan = {"window": 3, "nonfinite": 0, "zombies": 2, "rarest": 1, "dead": 1}
-    t = SimpleNamespace(rows=20, dim=2, sparse=False, padding=torch.empty(0))
+    t = SimpleNamespace(rows=20, dim=2, sparse=False, padding=torch.empty(0), tied=())
     native = probes.embeddings._decode("w", t, raw, plan, 7)
     monkeypatch.setattr(probes.stats, "_fastats", None)
     python = probes.embeddings._decode("w", t, raw, plan, 7)
@@ -747,6 +748,53 @@ def test_dead_rule_names_never_updated_rows_under_l2_and_after_nan(setting: str,
         assert found[0].evidence["nonfinite_rows"] == e["nonfinite_rows"]
     else:
         assert e["nonfinite_rows"] == 0
+
+
+class TinyLM(torch.nn.Module):
+    """Next token from the previous one, its output projection tied to the token table or not."""
+
+    def __init__(self, vocab: int, tie: bool) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, 8)
+        self.lm_head = torch.nn.Linear(8, vocab, bias=False)
+        if tie:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.wte(ids)))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_rows_of_a_tied_table_never_looked_up_are_said_to_learn_through_the_tie(tie: bool, path: str) -> None:
+    # Tokens 30-39 never appear as inputs. Tied to the output projection, their rows still learn (their
+    # logits are pushed down every step): an info that says so, and no up-weighting proposed; untied, dead rows.
+    torch.manual_seed(0)
+    model = TinyLM(40, tie)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    probe, sink = attach(model, opt, interval=20)
+    before = model.wte.weight[30:].detach().clone()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(61):
+        ids = torch.randint(0, 30, (64,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(ids), (ids + 1) % 30)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+    probe.close()
+    assert not torch.equal(model.wte.weight[30:], before) if tie else torch.equal(model.wte.weight[30:], before)
+    e = summaries(sink)[-1][1]["embedding"]
+    assert e["never_updated"] == 10
+    assert e.get("tied_to", []) == (["lm_head.weight"] if tie else [])
+    [found] = DeadEmbedding().observe({}, obs_of(sink))
+    assert sorted(int(r) for r in found.evidence["rows"]) == list(range(30, 40))
+    if tie:
+        assert found.severity == Severity.info and found.evidence["tied_to"] == ["lm_head.weight"]
+        assert "tied to 'lm_head.weight'" in found.message and "looked up" in found.message
+        assert embedding_scale_params(found.kind, {**found.evidence, "rare_rows": 1}) is None
+    else:
+        assert found.severity == Severity.warning and "never or almost never updated" in found.message
+        assert embedding_scale_params(found.kind, {**found.evidence, "rare_rows": 1}) is not None
 
 
 def test_dead_rule_waits_for_enough_updates_and_spares_a_healthy_table() -> None:
@@ -1086,6 +1134,44 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
         assert c.delete("/v1/runs/emb-e2e").status_code == 204
     with sqlite3.connect(server.data_dir / "traindx.sqlite") as db:
         assert db.execute("SELECT count(*) FROM embedding_tables WHERE run='emb-e2e'").fetchone() == (0,)
+
+
+def train_lm(model: TinyLM, probe: probes.Probe, steps: int, inputs: int) -> None:
+    """Next-token training on ids 0 .. inputs - 1 (the rest of the vocabulary never appears as input)."""
+    opt = probe.optimizer
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids = torch.randint(0, inputs, (64,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(ids), (ids + 1) % inputs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+
+
+def test_a_tied_table_through_a_real_server(server) -> None:
+    """What a person reads of a language model whose output projection is its token table, and whose data
+    never holds a tenth of the vocabulary: an info saying the rows learn through the tie, no fix to apply."""
+    torch.manual_seed(0)
+    model = TinyLM(40, tie=True)
+    probe = probes.attach(model, torch.optim.Adam(model.parameters(), lr=0.01), server=server.url, run="emb-tied",
+                          collections={"embeddings": 20})
+    train_lm(model, probe, 61, inputs=36)
+    assert probe.flush()
+    probe.close()
+    base = f"{server.url}/v1/runs/emb-tied"
+    [dead] = [a for a in httpx.get(f"{base}/anomalies", headers=AUTH).json()["anomalies"]
+              if a["kind"] == "dead_embedding"]
+    assert dead["severity"] == "info" and dead["evidence"]["tied_to"] == ["lm_head.weight"]
+    [advice] = httpx.post(f"{base}/anomalies/{dead['id']}/propose", headers=AUTH).json()["fixes"]
+    assert advice["action"] == "advice" and "tied to lm_head.weight" in advice["rationale"]  # nothing to up-weight
+    [table] = httpx.get(f"{base}/embeddings", headers=AUTH).json()["tables"]
+    assert table["summary"]["tied_to"] == ["lm_head.weight"] and table["summary"]["dead_ids"] == [36, 37, 38, 39]
+    from click.testing import CliRunner
+    from diag_server.cli import main
+    env = {"TRAINDX_SERVER": server.url, "TRAINDX_TOKEN": server.token}
+    out = CliRunner().invoke(main, ["embeddings", "emb-tied"], env=env, catch_exceptions=False).output
+    assert "wte.weight: never looked up (tied to lm_head.weight, they learn through it): 36, 37, 38, 39" in out
 
 
 def test_a_recommender_with_the_default_collections_flags_its_toggling_items_and_nothing_else(session_server) -> None:

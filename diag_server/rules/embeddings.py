@@ -180,7 +180,8 @@ class DeadEmbedding(Rule):
     description = ("Rows never or almost never updated once the table's typical row has been updated many "
                    "times: cold-start ids, ids the data never reaches, or broken negative sampling. A row is "
                    "updated when the model looks it up and it gets a gradient, so a whole-table L2 penalty does "
-                   "not hide dead rows; rows gone NaN are non-finite, not dead.")
+                   "not hide dead rows; rows gone NaN are non-finite, not dead. In a table tied to another "
+                   "module's parameter (an output projection) such rows still learn through it: an info.")
     kinds = (AnomalyKind.dead_embedding,)
     params = {
         "min_median_touches": Param(10, "measurement here: by the time the median row has 10 updates, every id "
@@ -208,18 +209,29 @@ class DeadEmbedding(Rule):
             ids = [float(i) for i in (e.get("dead_ids") or [])] + [float(r["row"]) for r in rare]
             lower = len(rare) == len(e.get("rarest") or []) and len(rare) > 0
             nonfinite = e.get("nonfinite_rows") or 0
-            severity = Severity.warning if fraction >= self.p.warn_fraction else Severity.info
+            tied = e.get("tied_to") or []
+            first = ", ".join(str(int(i)) for i in ids[:5])
+            if tied:  # the rows learn through the tied parameter: ids the inputs do not hold, not rows that never learn
+                severity = Severity.info
+                message = (f"{dead} rows of '{name}' ({100 * fraction:.2g}% of the table) were never or almost never "
+                           f"looked up in {e.get('tracked_steps')} tracked steps, while the median row was looked up "
+                           f"{median:.0f} times (first: rows {first}). The table is tied to "
+                           f"{', '.join(repr(t) for t in tied)}, through which these rows still learn (as outputs): "
+                           "ids the inputs never hold, such as vocabulary the data does not use.")
+            else:
+                severity = Severity.warning if fraction >= self.p.warn_fraction else Severity.info
+                message = (f"{dead} rows of '{name}' ({100 * fraction:.2g}% of the table) were never or almost never "
+                           f"updated in {e.get('tracked_steps')} tracked steps, while the median row was updated "
+                           f"{median:.0f} times (first: rows {first}). Cold-start ids, ids missing from the data, or "
+                           "broken negative sampling.")
+            if nonfinite:
+                message += f" {nonfinite} rows hold NaN/Inf: those are non-finite, not dead."
             out.append(Finding(
-                AnomalyKind.dead_embedding, severity, step, key=name, tensors=[name],
-                message=(f"{dead} rows of '{name}' ({100 * fraction:.2g}% of the table) were never or almost never "
-                         f"updated in {e.get('tracked_steps')} tracked steps, while the median row was updated "
-                         f"{median:.0f} times (first: rows {', '.join(str(int(i)) for i in ids[:5])}). Cold-start ids, "
-                         "ids missing from the data, or broken negative sampling."
-                         + (f" {nonfinite} rows hold NaN/Inf: those are non-finite, not dead." if nonfinite else "")),
+                AnomalyKind.dead_embedding, severity, step, key=name, tensors=[name], message=message,
                 evidence={"table": name, "rows": ids[:EVIDENCE_ROWS], "dead_rows": dead, "never_updated": never,
                           "rare_rows": len(rare), "fraction": fraction, "fraction_is_lower_bound": lower,
                           "table_rows": e.get("rows"), "median_touches": median,
-                          "tracked_steps": e.get("tracked_steps"), "nonfinite_rows": nonfinite}))
+                          "tracked_steps": e.get("tracked_steps"), "nonfinite_rows": nonfinite, "tied_to": tied}))
         return out
 
 
