@@ -59,10 +59,12 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable, Mapping
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .collect import Collection, HostCopy, guarded
 from .fixes import Applied, FixRejected, Target, _number
@@ -159,6 +161,11 @@ class TableState:
                  sketch_dim: int = SKETCH_DIM, seed: int = 0, tied: tuple[str, ...] = ()) -> None:
         self.name, self.weight, self.modules = name, weight, modules
         self.tied = tied  # other modules' parameters that are this weight (see tied_to)
+        # The optimizer seen stepping the table (a weak reference; Embeddings._held), and how far this step's
+        # tracking got: 0 waiting, 1 gathered before an optimizer step, 2 updated after it.
+        self.owner: weakref.ref | None = None
+        self.phase = 0
+        self.stepper: torch.optim.Optimizer | None = None  # the optimizer whose step gathered the rows (phase 1)
         rows, dim = weight.shape
         dev = weight.device
         self.rows, self.dim = rows, dim
@@ -1029,8 +1036,11 @@ class Embeddings(Collection):
         self._handles: list[Any] = []
         self._queues: list[TableState] = []  # the queued path's tables (see quiet())
         self._step = 0
-        self._stepped = False
+        self._left = 0  # tables no optimizer has stepped since arm() (see _post)
         self._armed = False
+        # The tables each optimizer seen stepping holds (see _held), and its number of parameter groups then.
+        self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._last_held: tuple = (lambda: None, 0, [])
         # Natively tracked tables (see TableState) update their rows in the hooks and report inline: a
         # report on another thread would read a later step's rows. The worker folds and reports the queued
         # path's CPU tables (no kernel, other dtypes); on CUDA the fold's kernels already run asynchronously.
@@ -1063,7 +1073,7 @@ class Embeddings(Collection):
 
     def tick(self, step: int) -> bool:
         # collect() where it has work (no optimizer step, a queue at its bound): it reports nothing here
-        if not self._stepped or any(t.pending and t.flush_due() for t in self._queues):
+        if self._left or any(t.pending and t.flush_due() for t in self._queues):
             self.collect(step)
         self.arm(step + 1)
         return self.track_every == 1
@@ -1075,31 +1085,49 @@ class Embeddings(Collection):
         return None
 
     def arm(self, step: int) -> None:
-        self._step, self._stepped, self._armed = step, False, True
+        self._step, self._armed, self._left = step, True, len(self.tables)
         for t in self.tables:
+            t.phase = 0
             if t.lookups:  # lookups no optimizer step took (gather() empties the list)
                 t.lookups = []
-        opt = self.probe.optimizer
         # With every step tracked the hooks stay on between steps (the probe calls disarm() only after a
         # tracked step that the next one does not follow): registering and removing six hooks every step
-        # cost ~0.1 ms of a 1.3 ms ML-100k step (docs/embeddings.md). Ours must stay the last optimizer hooks, as when they were
-        # registered each step, so that a fix's hooks (embedding_grad_scale) act before we copy the rows:
-        # a hook registered since puts ours back at the end.
-        if self._handles and (opt is None or (self._last(opt._optimizer_step_pre_hooks) == self._handles[-2].id
-                                              and self._last(opt._optimizer_step_post_hooks) == self._handles[-1].id)):
+        # cost ~0.1 ms of a 1.3 ms ML-100k step (docs/embeddings.md). The optimizer hooks are torch's global
+        # ones, called at every optimizer's step: a table is tracked in the step of the optimizer that holds
+        # it, whichever that is (a recommender's SparseAdam for its sparse tables beside an Adam for its dense
+        # layers, whatever optimizer the probe was given), and after that optimizer's own post hooks, so that
+        # a fix's (embedding_grad_scale rescaling the rows' step) acts before the rows are read.
+        if self._handles:
             return
-        super().disarm()
         p = self.probe
         for t in self.tables:
             for m in t.modules:
                 self._handles.append(m.register_forward_hook(self._on_lookup(t)))
-        if opt is not None:
-            self._handles += [opt.register_step_pre_hook(guarded(p, "embeddings hook", self._pre)),
-                              opt.register_step_post_hook(guarded(p, "embeddings hook", self._post))]
+        self._handles += [register_optimizer_step_pre_hook(guarded(p, "embeddings hook", self._pre)),
+                          register_optimizer_step_post_hook(guarded(p, "embeddings hook", self._post))]
 
-    @staticmethod
-    def _last(hooks: Mapping) -> Any:
-        return next(reversed(hooks), None)
+    def _held(self, opt: torch.optim.Optimizer) -> list[TableState]:
+        """The tables whose weights ``opt``'s parameter groups hold (none: another model's optimizer), found
+        once per optimizer and again when its groups change; each table keeps its optimizer (see owner)."""
+        last = self._last_held  # the optimizer of the last call (one per step in most jobs): no dict lookup
+        if last[0]() is opt and last[1] == len(opt.param_groups):
+            return last[2]
+        got = self._owned.get(opt)
+        if got is None or got[0] != len(opt.param_groups):
+            held = {id(w) for g in opt.param_groups for w in g["params"]}
+            tables = [t for t in self.tables if id(t.weight) in held]
+            for t in tables:
+                t.owner = weakref.ref(opt)
+            got = self._owned[opt] = (len(opt.param_groups), tables)
+        self._last_held = (weakref.ref(opt), *got)
+        return got[1]
+
+    def owner(self, table: TableState) -> torch.optim.Optimizer | None:
+        """The optimizer that steps ``table``: the one seen stepping it, else the probe's if it holds it."""
+        opt = table.owner() if table.owner is not None else None
+        if opt is None and self.probe.optimizer is not None and table in self._held(self.probe.optimizer):
+            opt = self.probe.optimizer
+        return opt
 
     def _on_lookup(self, t: TableState) -> Any:
         grad_enabled, tensor = torch.is_grad_enabled, torch.Tensor
@@ -1115,25 +1143,34 @@ class Embeddings(Collection):
                 self.probe.hook_failed("embeddings hook", e)
         return hook
 
-    def _pre(self, *_: Any) -> None:
+    def _pre(self, opt: torch.optim.Optimizer, *_: Any) -> None:
         if self._armed:
             seen: list = []
-            for t in self.tables:
-                t.gather(seen)
+            for t in self._held(opt):
+                if t.phase == 0:  # once a step: a second optimizer step before probe.step() is not tracked
+                    t.phase, t.stepper = 1, opt
+                    t.gather(seen)
 
-    def _post(self, *_: Any) -> None:
-        if self._stepped or not self._armed:
-            return
-        self._stepped = True
-        for t in self.tables:
-            t.update(self._step, with_delta=True)
+    def _post(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+        if self._armed:
+            for t in self._held(opt):
+                # after the step of the optimizer that gathered the rows: an optimizer wrapping another
+                # (Lookahead) holds the same tables, and the inner one's step ends first
+                if t.phase == 1 and t.stepper is opt:
+                    t.phase, t.stepper = 2, None
+                    self._left -= 1
+                    t.update(self._step, with_delta=True)
 
     def collect(self, step: int) -> list[HostCopy]:
         self._armed = False
-        if not self._stepped:  # no optimizer (or it did not step): gradients only, no deltas
+        if self._left:  # tables no optimizer stepped (none holds them, or it did not step): gradients only
             for t in self.tables:
-                t.gather()
-                t.update(step, with_delta=False)
+                if t.phase == 0:
+                    t.gather()
+                if t.phase != 2:
+                    t.update(step, with_delta=False)
+                t.stepper = None
+            self._left = 0
         reporting = step % self.interval == 0
         if not (reporting or any(t.pending and t.flush_due() for t in self.tables)):
             return []
@@ -1255,9 +1292,10 @@ def embedding_grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: st
     table = coll.table(name) if isinstance(name, str) else None
     if table is None:
         raise FixRejected(f"no embedding table {name!r}; tables: {[x.name for x in coll.tables]}")
-    opt = t.optimizer
+    opt = coll.owner(table)  # the one that steps the table, which need not be the probe's
     if opt is None:
-        raise FixRejected("this action needs the optimizer; pass it to probes.attach(model, optimizer)")
+        raise FixRejected(f"no optimizer that steps {table.name!r} yet: pass it to probes.attach(model, optimizer), "
+                          "or apply the fix once a step has run")
     lo = bounds.get("min_factor", 0.01)
     hi = bounds.get("max_factor", 10.0)
     min_factor = _number(params, "min_factor", lo, 1.0, default=max(0.1, lo))

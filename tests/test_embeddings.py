@@ -205,28 +205,30 @@ def test_sparse_adam_and_untracked_steps(path: str) -> None:
 
 
 def test_hooks_stay_on_while_every_step_is_tracked_and_come_off_otherwise() -> None:
-    """Tracked every step, the hooks are registered once, not every step; they stay the optimizer's last
-    hooks (a fix's hooks act before the rows are copied); they come off when the next step is not
-    tracked and at close."""
+    """Tracked every step, the hooks are registered once, not every step; the optimizer hooks are torch's
+    global ones, which run after an optimizer's own post hooks (a fix's act before the rows are read); they
+    come off when the next step is not tracked and at close."""
+    from torch.optim import optimizer as optim
     model = Toy(rows=12, dim=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    before = len(optim._global_optimizer_pre_hooks), len(optim._global_optimizer_post_hooks)
     probe, _ = attach(model, opt)
     coll = next(c for c in probe.collections if isinstance(c, Embeddings))
 
     def hooks() -> tuple[int, int, int]:
-        return (len(model.table._forward_hooks), len(opt._optimizer_step_pre_hooks),
-                len(opt._optimizer_step_post_hooks))
+        return (len(model.table._forward_hooks), len(optim._global_optimizer_pre_hooks) - before[0],
+                len(optim._global_optimizer_post_hooks) - before[1])
 
     ids = torch.arange(8)
     train(model, probe, 3, ids=ids, opt=opt)
     handles = list(coll._handles)
     train(model, probe, 3, ids=ids, opt=opt)
     assert coll._handles == handles and hooks() == (1, 1, 1)
-    fix = opt.register_step_post_hook(lambda *_: None)  # as embedding_grad_scale registers its own
+    moved = []  # what a fix's post hook sees: the step's rows before ours have read them
+    fix = opt.register_step_post_hook(lambda *_: moved.append(int(table_state(probe).touches[0])))
     train(model, probe, 1, ids=ids, opt=opt)
-    assert next(reversed(opt._optimizer_step_post_hooks)) == coll._handles[-1].id and hooks() == (1, 1, 2)
     fix.remove()
-    assert int(table_state(probe).touches[0]) == 7  # every step counted once, whatever happened to the hooks
+    assert moved == [6] and int(table_state(probe).touches[0]) == 7  # every step counted once
     coll.track_every = 3  # step 8 is not tracked (nor reported): the hooks come off after step 7
     train(model, probe, 1, ids=ids, opt=opt)
     assert hooks() == (0, 0, 0)
@@ -234,6 +236,93 @@ def test_hooks_stay_on_while_every_step_is_tracked_and_come_off_otherwise() -> N
     assert hooks() == (1, 1, 1)
     probe.close()
     assert hooks() == (0, 0, 0)
+
+
+class SparseAndDense(torch.nn.Module):
+    """A recommender's usual make-up: a sparse table (SparseAdam) under a dense layer (Adam)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(30, 4, sparse=True)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(ids)).squeeze(1)
+
+
+def two_optimizers(given: str, steps: int, fix_at: int | None = None,
+                   apply: bool = True) -> tuple[TableState, torch.Tensor, list]:
+    """Trains SparseAndDense with its two optimizers, the probe given one of them (or none); returns the
+    table's statistics, how far the table moved after ``fix_at`` (where a fix damping every row is applied,
+    unless not ``apply``) and the fix's acks."""
+    torch.manual_seed(0)
+    model = SparseAndDense()
+    sparse = torch.optim.SparseAdam(list(model.table.parameters()), lr=0.05)
+    dense = torch.optim.Adam(model.head.parameters(), lr=0.05)
+    probe, sink = attach(model, {"sparse": sparse, "dense": dense, "none": None}[given], interval=20,
+                         allow=["embedding_grad_scale"])
+    gen = torch.Generator().manual_seed(0)
+    targets = torch.randn(30, generator=gen)
+    moved = torch.zeros(())
+    for step in range(steps):
+        if step == fix_at and apply:
+            sink.commands.append({"fix_id": "f-1", "op": "apply", "action": "embedding_grad_scale",
+                                  "params": {"table": "table.weight", "snr_ref": 1e6, "min_factor": 0.1}})
+            probe.flush()  # the reply carries the command: applied at the next step
+        ids = torch.randint(0, 30, (16,), generator=gen)
+        loss = ((model(ids) - targets[ids] - 0.3 * torch.randn(16, generator=gen)) ** 2).mean()
+        sparse.zero_grad()
+        dense.zero_grad()
+        loss.backward()
+        before = model.table.weight.detach().clone()
+        sparse.step()
+        dense.step()
+        if fix_at is not None and step > fix_at:
+            moved = moved + (model.table.weight.detach() - before).norm()
+        probe.step(loss=loss)
+    probe.close()
+    acks = [e for b in sink.batches for e in b["events"] if e["kind"] == "fix_ack"]
+    return table_state(probe), moved, acks
+
+
+@pytest.mark.parametrize("given", ["dense", "none"])
+def test_a_table_is_tracked_and_fixed_in_the_step_of_the_optimizer_that_holds_it(given: str, path: str) -> None:
+    """Given the dense layers' optimizer, or none, the probe still tracks the sparse table in SparseAdam's
+    step (its rows' velocity included), as when given SparseAdam; and a fix damps the table's step there."""
+    held, _, _ = two_optimizers("sparse", 60)
+    other, _, _ = two_optimizers(given, 60)
+    assert float(held.velocity.max()) > 0
+    assert torch.allclose(other.state, held.state, rtol=1e-5, atol=1e-7)
+    _, free, _ = two_optimizers(given, 70, fix_at=60, apply=False)
+    state, damped, acks = two_optimizers(given, 70, fix_at=60)
+    assert [a["status"] for a in acks] == ["applied"]
+    assert 0.05 < float(damped / free) < 0.2  # every eligible row takes a tenth of its step
+
+
+class Undo(torch.optim.Optimizer):
+    """An optimizer wrapping another (as Lookahead does) whose step undoes the inner one's: rows do not move."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        super().__init__([p for g in inner.param_groups for p in g["params"]], {})
+        self.inner = inner
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        before = [p.detach().clone() for g in self.param_groups for p in g["params"]]
+        self.inner.step()
+        for p, b in zip((p for g in self.param_groups for p in g["params"]), before):
+            p.copy_(b)
+
+
+def test_a_step_is_read_after_the_outermost_optimizer_that_holds_the_table(path: str) -> None:
+    """The inner optimizer's step ends first, inside the wrapper's: the rows are read after the wrapper's."""
+    model = Toy(rows=12, dim=2)
+    opt = Undo(torch.optim.SGD(model.parameters(), lr=0.05))
+    probe, _ = attach(model, opt)
+    train(model, probe, 5, ids=torch.arange(8), opt=opt)
+    probe.close()
+    t = table_state(probe)
+    assert int(t.touches[0]) == 5 and float(t.velocity.abs().max()) == 0.0  # each step counted once; no move
 
 
 def test_steps_that_only_track_send_nothing_and_reports_and_other_collections_keep_their_steps() -> None:
@@ -1045,6 +1134,13 @@ def test_fix_refuses_bad_parameters_and_a_missing_collection() -> None:
     probe.flush()
     acks = [e for b in sink.batches for e in b["events"] if e["kind"] == "fix_ack"]
     assert [a["status"] for a in acks] == ["rejected"] * 3
+    blind, sink = attach(Toy(rows=5, dim=2), None, allow=["embedding_grad_scale"])  # no optimizer, no step seen
+    sink.commands.append({"fix_id": "f-4", "action": "embedding_grad_scale", "params": {"table": "table.weight"}})
+    blind.flush()
+    blind.step()
+    blind.close()
+    [ack] = [e for b in sink.batches for e in b["events"] if e["kind"] == "fix_ack"]
+    assert ack["status"] == "rejected" and "no optimizer that steps 'table.weight' yet" in ack["reason"]
     assert "no embedding table" in acks[0]["reason"] and "bounds" in acks[1]["reason"]
     probe.close()
     bare = probes.attach(model, opt, sink=probes.MemorySink(), collections=["weights"], allow=["embedding_grad_scale"])
