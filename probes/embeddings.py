@@ -50,7 +50,9 @@ hold both paths to the same step-by-step reference and the same reports.
 A row counts as touched when the model looked it up *and* its gradient row is non-zero: a whole-table
 L2 penalty in the loss gives every row a gradient, but only rows the model looked up are touched, so
 rows nobody looks up stay dead under weight decay. Rows holding NaN/Inf are reported as non-finite,
-never as dead.
+never as dead. A table is tracked in the step of the optimizer that holds it (torch's global optimizer
+hooks: a recommender's SparseAdam beside the dense layers' Adam); a step that optimizer skips (AMP's
+GradScaler on an overflow) teaches the rows nothing and is not tracked.
 """
 
 from __future__ import annotations
@@ -1159,15 +1161,25 @@ class Embeddings(Collection):
                 if t.phase == 1 and t.stepper is opt:
                     t.phase, t.stepper = 2, None
                     self._left -= 1
-                    t.update(self._step, with_delta=True)
+                    if t.weight.grad is None:  # taken away in the step (skip_nonfinite): the rows did not learn
+                        t._cur = None
+                    else:
+                        t.update(self._step, with_delta=True)
 
     def collect(self, step: int) -> list[HostCopy]:
         self._armed = False
-        if self._left:  # tables no optimizer stepped (none holds them, or it did not step): gradients only
+        if self._left:  # tables no optimizer stepped this step
             for t in self.tables:
-                if t.phase == 0:
-                    t.gather()
-                if t.phase != 2:
+                if t.phase == 2:
+                    continue
+                if self.owner(t) is not None:
+                    # Their optimizer skipped the step (AMP's GradScaler on an overflow, a loop skipping a
+                    # non-finite loss): the rows did not learn, and their gradients may be inf while the rows
+                    # are finite. Nothing is tracked.
+                    t._cur = None
+                else:  # no optimizer holds them: the gradients only, no deltas
+                    if t.phase == 0:
+                        t.gather()
                     t.update(step, with_delta=False)
                 t.stepper = None
             self._left = 0

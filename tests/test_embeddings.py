@@ -325,6 +325,32 @@ def test_a_step_is_read_after_the_outermost_optimizer_that_holds_the_table(path:
     assert int(t.touches[0]) == 5 and float(t.velocity.abs().max()) == 0.0  # each step counted once; no move
 
 
+@pytest.mark.parametrize("skip", ["loop", "skip_nonfinite"])
+def test_a_step_the_optimizer_skips_is_not_a_touch_and_leaves_finite_rows_finite(skip: str, path: str) -> None:
+    """A step with infinite gradients that the optimizer skips (the loop's own check, as AMP's GradScaler
+    does on an overflow, or the skip_nonfinite fix) leaves the rows finite: the report says none is
+    non-finite, and no row counts the step as an update."""
+    torch.manual_seed(0)
+    model = Toy(rows=6, dim=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, sink = attach(model, opt, interval=5, allow=["skip_nonfinite"])
+    if skip == "skip_nonfinite":
+        sink.commands.append({"fix_id": "f-1", "action": "skip_nonfinite", "params": {}})
+        probe.flush()
+    ids = torch.arange(6)
+    for step in range(11):
+        loss = ((model(ids) - 1.0) ** 2).sum() * (float("inf") if step == 5 else 1.0)
+        opt.zero_grad()
+        loss.backward()
+        if skip == "skip_nonfinite" or step != 5:
+            opt.step()
+        probe.step(loss=loss)
+    probe.close()
+    assert bool(torch.isfinite(model.table.weight).all())
+    assert [(step, r["embedding"]["nonfinite_rows"]) for step, r in summaries(sink)] == [(0, 0), (5, 0), (10, 0)]
+    assert table_state(probe).touches.tolist() == [10.0] * 6
+
+
 def test_steps_that_only_track_send_nothing_and_reports_and_other_collections_keep_their_steps() -> None:
     """Between two reports every step is tracked and nothing else happens (the probe's quiet steps): the
     reports, another collection's samples and the losses still come at their steps, each step counts once,
