@@ -1125,7 +1125,8 @@ class Embeddings(Collection):
         return got[1]
 
     def owner(self, table: TableState) -> torch.optim.Optimizer | None:
-        """The optimizer that steps ``table``: the one seen stepping it, else the probe's if it holds it."""
+        """The optimizer that steps ``table``: the one whose step was seen holding it, else the probe's if it
+        holds it; None when neither (the probe has no optimizer, or another one that has not stepped yet)."""
         opt = table.owner() if table.owner is not None else None
         if opt is None and self.probe.optimizer is not None and table in self._held(self.probe.optimizer):
             opt = self.probe.optimizer
