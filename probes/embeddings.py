@@ -68,7 +68,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .collect import Collection, HostCopy, guarded
+from .collect import Collection, HostCopy
 from .fixes import Applied, FixRejected, Target, _number
 from . import stats
 from .stats import sharded
@@ -1043,6 +1043,7 @@ class Embeddings(Collection):
         # The tables each optimizer seen stepping holds (see _held), and its number of parameter groups then.
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._last_held: tuple = (lambda: None, 0, [])
+        self._finalizer: weakref.finalize | None = None  # takes the global optimizer hooks off (_optimizer_hooks)
         # Natively tracked tables (see TableState) update their rows in the hooks and report inline: a
         # report on another thread would read a later step's rows. The worker folds and reports the queued
         # path's CPU tables (no kernel, other dtypes); on CUDA the fold's kernels already run asynchronously.
@@ -1105,8 +1106,28 @@ class Embeddings(Collection):
         for t in self.tables:
             for m in t.modules:
                 self._handles.append(m.register_forward_hook(self._on_lookup(t)))
-        self._handles += [register_optimizer_step_pre_hook(guarded(p, "embeddings hook", self._pre)),
-                          register_optimizer_step_post_hook(guarded(p, "embeddings hook", self._post))]
+        self._handles += self._optimizer_hooks()
+
+    def _optimizer_hooks(self) -> list:
+        """torch's global optimizer step hooks, calling _pre and _post while this collection lives. The global
+        registry is the process's: holding the collection there (and through it the probe and its model)
+        would keep a probe the job dropped without close() alive, its hooks running at every optimizer's
+        step, for good. So they hold it weakly, and come off when it is collected (or at disarm())."""
+        ref = weakref.ref(self)
+
+        def calling(name: str) -> Callable:
+            def hook(opt: torch.optim.Optimizer, *_: Any) -> None:
+                coll = ref()
+                if coll is not None:
+                    try:
+                        getattr(coll, name)(opt)
+                    except Exception as e:  # noqa: BLE001 - inside the job's optimizer step (as guarded())
+                        coll.probe.hook_failed("embeddings hook", e)
+            return hook
+
+        handles = [register_optimizer_step_pre_hook(calling("_pre")), register_optimizer_step_post_hook(calling("_post"))]
+        self._finalizer = weakref.finalize(self, _remove_hooks, handles)
+        return handles
 
     def _held(self, opt: torch.optim.Optimizer) -> list[TableState]:
         """The tables whose weights ``opt``'s parameter groups hold (none: another model's optimizer), found
@@ -1241,12 +1262,20 @@ class Embeddings(Collection):
 
     def disarm(self) -> None:
         self._armed = False
+        if self._finalizer is not None:  # the hooks come off here, not when the collection is collected
+            self._finalizer.detach()
+            self._finalizer = None
         super().disarm()
 
     def close(self) -> None:
         self.disarm()
         if self._worker is not None:
             self._worker.close()  # the reports in flight are finished: the probe sends them next
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
 
 
 # -- the live fix ----------------------------------------------------------------------------------------

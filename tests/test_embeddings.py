@@ -238,6 +238,28 @@ def test_hooks_stay_on_while_every_step_is_tracked_and_come_off_otherwise() -> N
     assert hooks() == (0, 0, 0)
 
 
+def test_a_probe_dropped_without_close_is_collected_and_its_global_hooks_come_off() -> None:
+    """torch's global optimizer hooks are the process's: they must not keep a dropped probe, and its model,
+    alive (nor run for every optimizer after it)."""
+    import gc
+    import weakref
+    from torch.optim import optimizer as optim
+    hooks = len(optim._global_optimizer_pre_hooks), len(optim._global_optimizer_post_hooks)
+
+    def dropped() -> tuple[weakref.ref, weakref.ref]:
+        model = Toy(rows=12, dim=2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        probe, _ = attach(model, opt)
+        train(model, probe, 3, ids=torch.arange(8), opt=opt)
+        assert len(optim._global_optimizer_pre_hooks) == hooks[0] + 1
+        return weakref.ref(model), weakref.ref(probe)
+
+    model, probe = dropped()
+    gc.collect()
+    assert model() is None and probe() is None
+    assert (len(optim._global_optimizer_pre_hooks), len(optim._global_optimizer_post_hooks)) == hooks
+
+
 class SparseAndDense(torch.nn.Module):
     """A recommender's usual make-up: a sparse table (SparseAdam) under a dense layer (Adam)."""
 
