@@ -260,6 +260,29 @@ def test_a_probe_dropped_without_close_is_collected_and_its_global_hooks_come_of
     assert (len(optim._global_optimizer_pre_hooks), len(optim._global_optimizer_post_hooks)) == hooks
 
 
+@pytest.mark.parametrize("order", ["after", "before"])
+def test_a_loop_calling_probe_step_before_optimizer_step_is_tracked_too(order: str, path: str) -> None:
+    """The README asks for probe.step() after optimizer.step(); called before it, the step's lookups are kept
+    for the optimizer step that follows, and every step but the first is tracked (velocity included)."""
+    torch.manual_seed(0)
+    model = Toy(rows=6, dim=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, _ = attach(model, opt)
+    ids = torch.arange(6)
+    for _ in range(10):
+        loss = ((model(ids) - 1.0) ** 2).sum()
+        opt.zero_grad()
+        loss.backward()
+        if order == "before":
+            probe.step(loss=loss)
+        opt.step()
+        if order == "after":
+            probe.step(loss=loss)
+    probe.close()
+    t = table_state(probe)
+    assert t.touches.tolist() == [10.0 if order == "after" else 9.0] * 6 and float(t.velocity.min()) > 0
+
+
 class SparseAndDense(torch.nn.Module):
     """A recommender's usual make-up: a sparse table (SparseAdam) under a dense layer (Adam)."""
 
