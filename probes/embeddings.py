@@ -1105,7 +1105,6 @@ class Embeddings(Collection):
         # a fix's (embedding_grad_scale rescaling the rows' step) acts before the rows are read.
         if self._handles:
             return
-        p = self.probe
         for t in self.tables:
             for m in t.modules:
                 self._handles.append(m.register_forward_hook(self._on_lookup(t)))
