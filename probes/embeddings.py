@@ -1092,7 +1092,9 @@ class Embeddings(Collection):
         for t in self.tables:
             # Lookups no optimizer step took (gather() empties the list) are dropped: their step was skipped.
             # Those made after the table's optimizer stepped are the next step's, in a loop that calls
-            # probe.step() before optimizer.step(): kept for it.
+            # probe.step() before optimizer.step(): kept for it. (So are those of a forward with autograd
+            # between optimizer.step() and probe.step(), a metric computed without no_grad: the next step
+            # counts them as lookups; rows they alone looked up get no gradient there and are not touched.)
             if t.lookups and t.phase != 2:
                 t.lookups = []
             t.phase = 0
