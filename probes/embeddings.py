@@ -1172,12 +1172,23 @@ class Embeddings(Collection):
         return hook
 
     def _pre(self, opt: torch.optim.Optimizer, *_: Any) -> None:
-        if self._armed:
-            seen: list = []
-            for t in self._held(opt):
-                if t.phase == 0:  # once a step: a second optimizer step before probe.step() is not tracked
-                    t.phase, t.stepper = 1, opt
-                    t.gather(seen)
+        # Deferred (Probe.defer_step_fixes: Lightning's optimizer.step(closure) runs the forward and backward
+        # inside the step, after its pre hooks), the probe's optimizer's tables are gathered from
+        # before_optimizer_step(), after the backward.
+        if self._armed and (opt is not self.probe.optimizer or self.probe._target.deferred is None):
+            self._gather(opt)
+
+    def before_optimizer_step(self) -> None:
+        """Called by Probe.before_optimizer_step (deferred mode): after the backward, before the update."""
+        if self._armed and self.probe.optimizer is not None:
+            self._gather(self.probe.optimizer)
+
+    def _gather(self, opt: torch.optim.Optimizer) -> None:
+        seen: list = []
+        for t in self._held(opt):
+            if t.phase == 0:  # once a step: a second optimizer step before probe.step() is not tracked
+                t.phase, t.stepper = 1, opt
+                t.gather(seen)
 
     def _post(self, opt: torch.optim.Optimizer, *_: Any) -> None:
         if self._armed:

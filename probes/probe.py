@@ -400,14 +400,22 @@ class Probe:
             self._target.deferred = {}
 
     def before_optimizer_step(self) -> None:
-        """After backward, before the update: run the active grad_clip / grad_scale / skip_nonfinite fixes."""
-        if self._closed or not self._target.deferred:
+        """After backward, before the update: run the active grad_clip / grad_scale / skip_nonfinite fixes,
+        then what collections read there (the embeddings collection's looked-up rows)."""
+        if self._closed or self._target.deferred is None:
             return
         try:
             for fn in list(self._target.deferred.values()):
                 fn()
         except Exception as e:  # noqa: BLE001
             self._degrade("before_optimizer_step", e)
+        for c in self.collections:
+            before = getattr(c, "before_optimizer_step", None)
+            if before is not None:
+                try:
+                    before()
+                except Exception as e:  # noqa: BLE001 - as an error in the collection's hooks
+                    self.hook_failed(f"{c.name} hook", e)
 
     def set_held_batch(self, inputs: Any, targets: Any, loss_fn: Any) -> None:
         """A fixed batch the 'sensitivity' action measures the loss on: ``loss_fn(model(inputs), targets)``."""

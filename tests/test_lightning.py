@@ -180,3 +180,54 @@ def test_fp16_steps_the_trainers_scaler_skips_are_not_faults(session_server, tmp
     # Inf gradients exactly on the skipped steps (unscaled and finite on the others), and no fault raised.
     assert overflowed == {s: s in skipped for s in range(12)}
     assert agent.anomalies() == []
+
+
+class Recommender(L.LightningModule):
+    """A table under a linear head: Lightning runs its forward and backward inside optimizer.step(closure)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.Embedding(30, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001
+        ids, y = batch
+        return ((self.head(self.table(ids)).squeeze(1) - y) ** 2).mean()
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_embeddings_are_tracked_in_every_step_as_a_plain_loop_tracks_them() -> None:
+    """The looked-up rows are read after Lightning's backward (from on_before_optimizer_step), not in the
+    optimizer's pre hook, which runs before the closure: the table's statistics equal a plain loop's."""
+    from probes import attach
+    from probes.embeddings import Embeddings
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.arange(30).repeat(4)
+    data = torch.utils.data.TensorDataset(ids, torch.randn(30, generator=g)[ids])
+    cb = TraindxCallback(sink=MemorySink(), run="light-emb", collections={"embeddings": 2})
+    tables: list = []
+
+    class Keep(L.Callback):
+        def on_train_end(self, trainer, pl_module):  # noqa: ANN001
+            tables.extend(c.tables[0] for c in cb.probe.collections if isinstance(c, Embeddings))
+
+    trainer = _trainer([cb, Keep()], max_epochs=3)
+    trainer.fit(Recommender(), _loader(data, batch_size=30))
+    model = Recommender()  # the same initialisation, batches and optimizer, in a plain loop
+    opt = model.configure_optimizers()
+    probe = attach(model, opt, sink=MemorySink(), run="plain-emb", collections={"embeddings": 2})
+    for _ in range(3):
+        for batch in _loader(data, batch_size=30):
+            loss = model.training_step(batch, 0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            probe.step(loss=loss)
+    plain = next(c for c in probe.collections if isinstance(c, Embeddings)).tables[0]
+    probe.close()
+    assert trainer.global_step == 12 and tables[0].touches.tolist() == [12.0] * 30
+    assert torch.allclose(tables[0].state, plain.state, rtol=1e-5, atol=1e-7)
