@@ -197,7 +197,6 @@ def embedding_scale_params(kind: AnomalyKind, evidence: dict, *, scope: str = "t
 
 
 def _embedding(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
-    params = embedding_scale_params(a.kind, a.evidence)
     tied = a.evidence.get("tied_to") or []
     if a.kind == AnomalyKind.dead_embedding and tied:
         return [Candidate(
@@ -208,6 +207,7 @@ def _embedding(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
             f"'{a.evidence.get('table')}' is tied to {', '.join(tied)}: its rows never looked up still learn there as "
             "outputs, so they are unused ids, not rows that learn nothing; up-weighting their gradient would only "
             "push those outputs harder.", "None needed for unused ids.", "low", live=False)]
+    params = embedding_scale_params(a.kind, a.evidence)
     if params is None:
         return []
     if a.kind == AnomalyKind.zombie_embedding:

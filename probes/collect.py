@@ -113,6 +113,11 @@ class Collection:
         since). Only a collection whose quiet() can pass its step is ticked, and it says how."""
         raise NotImplementedError(f"{type(self).__name__} is never quiet")
 
+    def before_optimizer_step(self) -> None:
+        """In the probe's deferred mode (Probe.defer_step_fixes: Lightning runs the forward and backward inside
+        optimizer.step(closure), after its pre hooks): after the backward, before the update, where an
+        optimizer pre hook would have run. Nothing by default."""
+
     def phase_hooks(self) -> dict[str, Callable] | None:
         """What this collection runs at the step's phase boundaries (see ``Phases``), by boundary: None
         when it needs none of them, ``{}`` when it only reads their times."""

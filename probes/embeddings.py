@@ -163,9 +163,7 @@ class TableState:
                  sketch_dim: int = SKETCH_DIM, seed: int = 0, tied: tuple[str, ...] = ()) -> None:
         self.name, self.weight, self.modules = name, weight, modules
         self.tied = tied  # other modules' parameters that are this weight (see tied_to)
-        # The optimizer seen stepping the table (a weak reference; Embeddings._held), and how far this step's
-        # tracking got: 0 waiting, 1 gathered before an optimizer step, 2 updated after it.
-        self.owner: weakref.ref | None = None
+        # How far this step's tracking got: 0 waiting, 1 gathered before an optimizer step, 2 updated after it.
         self.phase = 0
         self.stepper: torch.optim.Optimizer | None = None  # the optimizer whose step gathered the rows (phase 1)
         rows, dim = weight.shape
@@ -1135,7 +1133,7 @@ class Embeddings(Collection):
 
     def _held(self, opt: torch.optim.Optimizer) -> list[TableState]:
         """The tables whose weights ``opt``'s parameter groups hold (none: another model's optimizer), found
-        once per optimizer and again when its groups change; each table keeps its optimizer (see owner)."""
+        once per optimizer and again when its groups change."""
         last = self._last_held  # the optimizer of the last call (one per step in most jobs): no dict lookup
         if last[0]() is opt and last[1] == len(opt.param_groups):
             return last[2]
@@ -1143,19 +1141,16 @@ class Embeddings(Collection):
         if got is None or got[0] != len(opt.param_groups):
             held = {id(w) for g in opt.param_groups for w in g["params"]}
             tables = [t for t in self.tables if id(t.weight) in held]
-            for t in tables:
-                t.owner = weakref.ref(opt)
             got = self._owned[opt] = (len(opt.param_groups), tables)
         self._last_held = (weakref.ref(opt), *got)
         return got[1]
 
     def owner(self, table: TableState) -> torch.optim.Optimizer | None:
-        """The optimizer that steps ``table``: the one whose step was seen holding it, else the probe's if it
-        holds it; None when neither (the probe has no optimizer, or another one that has not stepped yet)."""
-        opt = table.owner() if table.owner is not None else None
-        if opt is None and self.probe.optimizer is not None and table in self._held(self.probe.optimizer):
-            opt = self.probe.optimizer
-        return opt
+        """The optimizer that steps ``table``: the probe's if it holds it, else the first whose step was seen
+        holding it; None when neither (the probe has no optimizer, or another one that has not stepped yet)."""
+        if self.probe.optimizer is not None:
+            self._held(self.probe.optimizer)  # known from the start, stepped or not
+        return next((opt for opt, (_, tables) in list(self._owned.items()) if table in tables), None)
 
     def _on_lookup(self, t: TableState) -> Any:
         grad_enabled, tensor = torch.is_grad_enabled, torch.Tensor
@@ -1179,7 +1174,6 @@ class Embeddings(Collection):
             self._gather(opt)
 
     def before_optimizer_step(self) -> None:
-        """Called by Probe.before_optimizer_step (deferred mode): after the backward, before the update."""
         if self._armed and self.probe.optimizer is not None:
             self._gather(self.probe.optimizer)
 

@@ -410,12 +410,10 @@ class Probe:
         except Exception as e:  # noqa: BLE001
             self._degrade("before_optimizer_step", e)
         for c in self.collections:
-            before = getattr(c, "before_optimizer_step", None)
-            if before is not None:
-                try:
-                    before()
-                except Exception as e:  # noqa: BLE001 - as an error in the collection's hooks
-                    self.hook_failed(f"{c.name} hook", e)
+            try:
+                c.before_optimizer_step()
+            except Exception as e:  # noqa: BLE001 - as an error in the collection's hooks
+                self.hook_failed(f"{c.name} hook", e)
 
     def set_held_batch(self, inputs: Any, targets: Any, loss_fn: Any) -> None:
         """A fixed batch the 'sensitivity' action measures the loss on: ``loss_fn(model(inputs), targets)``."""

@@ -924,6 +924,19 @@ class TinyLM(torch.nn.Module):
         return self.lm_head(torch.tanh(self.wte(ids)))
 
 
+def train_lm(model: TinyLM, probe: probes.Probe, steps: int, inputs: int) -> None:
+    """Next-token training on ids 0 .. inputs - 1 (the rest of the vocabulary never appears as input)."""
+    opt = probe.optimizer
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ids = torch.randint(0, inputs, (64,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(ids), (ids + 1) % inputs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_rows_of_a_tied_table_never_looked_up_are_said_to_learn_through_the_tie(tie: bool, path: str) -> None:
     # Tokens 30-39 never appear as inputs. Tied to the output projection, their rows still learn (their
@@ -933,14 +946,7 @@ def test_rows_of_a_tied_table_never_looked_up_are_said_to_learn_through_the_tie(
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     probe, sink = attach(model, opt, interval=20)
     before = model.wte.weight[30:].detach().clone()
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(61):
-        ids = torch.randint(0, 30, (64,), generator=gen)
-        loss = torch.nn.functional.cross_entropy(model(ids), (ids + 1) % 30)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        probe.step(loss=loss)
+    train_lm(model, probe, 61, inputs=30)
     probe.close()
     assert not torch.equal(model.wte.weight[30:], before) if tie else torch.equal(model.wte.weight[30:], before)
     e = summaries(sink)[-1][1]["embedding"]
@@ -1301,19 +1307,6 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
         assert c.delete("/v1/runs/emb-e2e").status_code == 204
     with sqlite3.connect(server.data_dir / "traindx.sqlite") as db:
         assert db.execute("SELECT count(*) FROM embedding_tables WHERE run='emb-e2e'").fetchone() == (0,)
-
-
-def train_lm(model: TinyLM, probe: probes.Probe, steps: int, inputs: int) -> None:
-    """Next-token training on ids 0 .. inputs - 1 (the rest of the vocabulary never appears as input)."""
-    opt = probe.optimizer
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        ids = torch.randint(0, inputs, (64,), generator=gen)
-        loss = torch.nn.functional.cross_entropy(model(ids), (ids + 1) % inputs)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        probe.step(loss=loss)
 
 
 def test_a_tied_table_through_a_real_server(server) -> None:

@@ -210,22 +210,17 @@ class DeadEmbedding(Rule):
             lower = len(rare) == len(e.get("rarest") or []) and len(rare) > 0
             nonfinite = e.get("nonfinite_rows") or 0
             tied = e.get("tied_to") or []
-            first = ", ".join(str(int(i)) for i in ids[:5])
-            if tied:  # the rows learn through the tied parameter: ids the inputs do not hold, not rows that never learn
-                severity = Severity.info
-                message = (f"{dead} rows of '{name}' ({100 * fraction:.2g}% of the table) were never or almost never "
-                           f"looked up in {e.get('tracked_steps')} tracked steps, while the median row was looked up "
-                           f"{median:.0f} times (first: rows {first}). The table is tied to "
-                           f"{', '.join(repr(t) for t in tied)}, through which these rows still learn (as outputs): "
-                           "ids the inputs never hold, such as vocabulary the data does not use.")
-            else:
-                severity = Severity.warning if fraction >= self.p.warn_fraction else Severity.info
-                message = (f"{dead} rows of '{name}' ({100 * fraction:.2g}% of the table) were never or almost never "
-                           f"updated in {e.get('tracked_steps')} tracked steps, while the median row was updated "
-                           f"{median:.0f} times (first: rows {first}). Cold-start ids, ids missing from the data, or "
-                           "broken negative sampling.")
-            if nonfinite:
-                message += f" {nonfinite} rows hold NaN/Inf: those are non-finite, not dead."
+            # A tied table's rows learn through the tied parameter (as outputs): rows never looked up are ids the
+            # inputs do not hold, not rows that never learn.
+            severity = Severity.warning if fraction >= self.p.warn_fraction and not tied else Severity.info
+            verb = "looked up" if tied else "updated"
+            message = (f"{dead} rows of '{name}' ({100 * fraction:.2g}% of the table) were never or almost never "
+                       f"{verb} in {e.get('tracked_steps')} tracked steps, while the median row was {verb} "
+                       f"{median:.0f} times (first: rows {', '.join(str(int(i)) for i in ids[:5])}). "
+                       + (f"The table is tied to {', '.join(repr(t) for t in tied)}, through which these rows still "
+                          "learn (as outputs): ids the inputs never hold, such as vocabulary the data does not use."
+                          if tied else "Cold-start ids, ids missing from the data, or broken negative sampling.")
+                       + (f" {nonfinite} rows hold NaN/Inf: those are non-finite, not dead." if nonfinite else ""))
             out.append(Finding(
                 AnomalyKind.dead_embedding, severity, step, key=name, tensors=[name], message=message,
                 evidence={"table": name, "rows": ids[:EVIDENCE_ROWS], "dead_rows": dead, "never_updated": never,

@@ -225,8 +225,10 @@ function embeddingTables(tables) {
   $("#embeddings tbody").replaceChildren(...tables.map((t) => {
     const s = t.summary;
     const worst = s.zombies.map((z) => `${z.row}: ${fmt(z.noise)}, ${fmt(z.consistency)}`).join(" · ");
+    const name = (t.rank ? `${t.name} (rank ${t.rank})` : t.name)
+      + (s.tied_to.length ? ` · tied to ${s.tied_to.join(", ")}` : "");
     return el("tr", { "data-table": t.name, "data-rank": String(t.rank) },
-      ...[(t.rank ? `${t.name} (rank ${t.rank})` : t.name) + (s.tied_to.length ? ` · tied to ${s.tied_to.join(", ")}` : ""), t.step, s.rows, s.touched_rows, s.never_updated,
+      ...[name, t.step, s.rows, s.touched_rows, s.never_updated,
           s.nonfinite_rows, s.median_touches, s.noise_spread, s.effective_rank, s.mean_cosine, worst || "-"]
         .map((v) => el("td", {}, typeof v === "string" ? v : v === null ? "-" : fmt(v)))); // null: not measured
   }));
