@@ -299,6 +299,23 @@ static inline float sum8(v8f v)
     return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
+/* Pairwise sums of two vectors, interleaved: [x0+x1, x2+x3, y0+y1, y2+y3, x4+x5, x6+x7, y4+y5, y6+y7] (AVX's
+ * hadd). Two levels of it sum four vectors at once: the sums of a row's statistics in a few shuffles,
+ * instead of a horizontal sum each. */
+static inline v8f hadd8(v8f x, v8f y)
+{
+    return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14)
+           + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+/* out[i] = the sum of the elements of the i-th of a, b, c, d */
+static inline void sum4x8(v8f a, v8f b, v8f c, v8f d, float out[4])
+{
+    const v8f s = hadd8(hadd8(a, b), hadd8(c, d)); /* [a0-3, b0-3, c0-3, d0-3, a4-7, b4-7, c4-7, d4-7] */
+    for (int i = 0; i < 4; i++)
+        out[i] = s[i] + s[i + 4];
+}
+
 /* How many rows ahead the row loops prefetch: a large table's rows (and their state) are cache misses, which
  * the loop bodies are too long for the CPU to overlap by itself. */
 #define AHEAD 8
@@ -529,10 +546,12 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
             const v8i finite = g8 - g8 == zero; /* -1 where finite (clean(): NaN and +-inf become 0) */
             g8 = fin ? (v8f)((v8i)g8 & finite) : zero;
             const v8f in8 = g8 - m8, mn8 = m8 + (float)a_fast * (g8 - m8);
-            dot = sum8(in8 * p8);
-            in2 = sum8(in8 * in8);
-            pv2 = sum8(p8 * p8);
-            gn2 = sum8(g8 * g8);
+            float sums[4];
+            sum4x8(in8 * p8, in8 * in8, p8 * p8, g8 * g8, sums);
+            dot = sums[0];
+            in2 = sums[1];
+            pv2 = sums[2];
+            gn2 = sums[3];
             msq = sum8(mn8 * mn8);
             memcpy(m, &mn8, sizeof mn8);
             if (fin)
@@ -709,15 +728,16 @@ static PyObject *
 fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
 {
     unsigned long long state_p, w_p, inwin_p, counts_p, win_p, z_p, r_p, nf_p, d_p, sample_p, pad_p, out_p, x_p;
-    Py_ssize_t C, rows, dim, n_win, n_z, n_r, n_nf, n_d, n_sample, n_pad, k, dead_scan, n_x;
-    double min_touches, mad_sigma;
-    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKnKnnnddKKn", &state_p, &C, &rows, &dim, &w_p, &inwin_p, &counts_p,
-                          &win_p, &n_win, &z_p, &n_z, &r_p, &n_r, &nf_p, &n_nf, &d_p, &n_d, &sample_p,
-                          &n_sample, &pad_p, &n_pad, &k, &dead_scan, &min_touches, &mad_sigma, &out_p, &x_p, &n_x))
+    Py_ssize_t C, rows, dim, n_win, n_z, n_r, n_nf, n_d, n_sample, n_pad, k, dead_scan, n_x, n_least;
+    double min_touches, mad_sigma, z_floor, r_floor;
+    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKnKnnnddKKnndd", &state_p, &C, &rows, &dim, &w_p, &inwin_p,
+                          &counts_p, &win_p, &n_win, &z_p, &n_z, &r_p, &n_r, &nf_p, &n_nf, &d_p, &n_d, &sample_p,
+                          &n_sample, &pad_p, &n_pad, &k, &dead_scan, &min_touches, &mad_sigma, &out_p, &x_p, &n_x,
+                          &n_least, &z_floor, &r_floor))
         return NULL;
     if (C < 8 || rows < 0 || dim <= 0 || n_win < 0 || n_z < 0 || n_z > k || n_r < 0 || n_r > k || n_nf < 0
         || n_nf > k || n_d < 0 || n_d > k || n_sample < 0 || n_pad < 0 || k < 0 || out_p == 0 || n_x < 0
-        || (x_p == 0 && n_x > 0)) {
+        || (x_p == 0 && n_x > 0) || n_least < 0) {
         PyErr_SetString(PyExc_ValueError, "report_rows: bad arguments");
         return NULL;
     }
@@ -732,13 +752,17 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     float *scratch = malloc((size_t)(2 * n_sample + 1) * sizeof(float));
     uint8_t *ok = malloc((size_t)n_sample + 1); /* which rows of the sample were updated and are finite */
     ranked_t *heaps = malloc((size_t)(2 * k + 1) * sizeof(ranked_t));
-    int64_t *bad = malloc((size_t)(n_win + n_z + n_r + n_nf + 1) * sizeof(int64_t));
-    if (scratch == NULL || ok == NULL || heaps == NULL || bad == NULL || xsum == NULL) {
+    const Py_ssize_t n_cand = n_win + n_z + n_r + n_nf;
+    int64_t *bad = malloc((size_t)(n_cand + 1) * sizeof(int64_t));
+    ranked_t *zc = malloc((size_t)(n_cand + 1) * sizeof(ranked_t)), *rc = malloc((size_t)(n_cand + 1) * sizeof(ranked_t));
+    if (scratch == NULL || ok == NULL || heaps == NULL || bad == NULL || xsum == NULL || zc == NULL || rc == NULL) {
         free(xsum);
         free(ok);
         free(scratch);
         free(heaps);
         free(bad);
+        free(zc);
+        free(rc);
         return PyErr_NoMemory();
     }
     float touch_median, occ_median;
@@ -802,10 +826,14 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     const float often = touch_median == touch_median ? touch_median : INFINITY;
     const float occ_ref = occ_median == occ_median ? occ_median : INFINITY;
 
-    /* the candidates, each once (flag 2 in inwin while this report runs): zombies and rarest by heap */
+    /* the candidates, each once (flag 2 in inwin while this report runs), with their keys; then the zombies
+     * and the rarest by heap: the worst n_least of each kind, and further ones up to k while they are past
+     * their floor (a zombie score of at least z_floor, touches below r_floor x the median) */
     ranked_t *zh = heaps, *rh = heaps + k;
     const int64_t *lists[4] = {win, zl, rl, nfl};
     const Py_ssize_t sizes[4] = {n_win, n_z, n_r, n_nf};
+    const float rare_below = (float)r_floor * touch_median; /* NaN without a median: no row is past it */
+    Py_ssize_t n_zc = 0, n_rc = 0, z_past = 0, r_past = 0;
     for (int l = 0; l < 4; l++)
         for (Py_ssize_t i = 0; i < sizes[l]; i++) {
             const int64_t row = lists[l][i];
@@ -821,17 +849,26 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
             }
             if (t <= 0)
                 continue;
-            heap_offer(rh, &nr, k, (ranked_t){t, row});
+            rc[n_rc++] = (ranked_t){t, row};
+            r_past += t < rare_below;
             if (t >= often && t >= min_touches) {
                 const float noise = ratio_f(st[6], occ_ref);
                 const float score = logf(noise > 1e-6f ? noise : 1e-6f) - ratio_f(st[2], st[3]);
-                if (isfinite(score))
-                    heap_offer(zh, &nz, k, (ranked_t){-score, row});
+                if (isfinite(score)) {
+                    zc[n_zc++] = (ranked_t){-score, row};
+                    z_past += score >= (float)z_floor;
+                }
             }
         }
     for (int l = 0; l < 4; l++) /* clear the flags: the window starts empty */
         for (Py_ssize_t i = 0; i < sizes[l]; i++)
             inwin[lists[l][i]] = 0;
+    const Py_ssize_t kz = z_past > n_least ? (z_past < k ? z_past : k) : (n_least < k ? n_least : k);
+    const Py_ssize_t kr = r_past > n_least ? (r_past < k ? r_past : k) : (n_least < k ? n_least : k);
+    for (Py_ssize_t i = 0; i < n_zc; i++)
+        heap_offer(zh, &nz, kz, zc[i]);
+    for (Py_ssize_t i = 0; i < n_rc; i++)
+        heap_offer(rh, &nr, kr, rc[i]);
     qsort(zh, (size_t)nz, sizeof(ranked_t), ranked_cmp);
     qsort(rh, (size_t)nr, sizeof(ranked_t), ranked_cmp);
     qsort(bad, (size_t)n_bad, sizeof(int64_t), id_cmp);
@@ -897,6 +934,8 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     free(scratch);
     free(heaps);
     free(bad);
+    free(zc);
+    free(rc);
     return Py_BuildValue("nnnnnddn", nz, nr, nnf, nd, dead_scan, (double)touch_median, (double)occ_median, m);
 }
 
@@ -1003,7 +1042,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 10
+#define FASTATS_VERSION 11
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

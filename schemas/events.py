@@ -130,9 +130,12 @@ class EmbeddingSummary(_Model):
     mean_cosine: Number = Field(None, description="Mean pairwise cosine of sampled rows.")
     sampled_rows: int = Field(0, ge=0, description="Rows sampled for effective_rank and mean_cosine.")
     zombies: list[EmbeddingRow] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
-                                        description="Eligible rows with the highest zombie score (noisy and reversing), worst first.")
+                                        description="Eligible rows with the highest zombie score (ln(noise) - "
+                                        "consistency: noisy and reversing), worst first: the worst 32, and every "
+                                        "further row scoring at least ln 2, up to 256.")
     rarest: list[EmbeddingRow] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
-                                       description="Rows updated at least once, least often first.")
+                                       description="Rows updated at least once, least often first: the rarest 32, "
+                                       "and every further row updated under 2% as often as the median row, up to 256.")
     dead_ids: list[int] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
                                 description="Finite rows never updated, lowest ids first.")
     nonfinite_ids: list[int] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS)

@@ -879,6 +879,41 @@ def test_zombie_rule_names_the_rows_whose_updates_reverse(path: str) -> None:
     assert ZombieEmbedding().observe({}, obs_of(sink)) == []
 
 
+def test_a_report_lists_the_worst_rows_and_every_row_past_the_floor(path: str) -> None:
+    """A report lists, of each kind, the worst LISTED_ROWS rows and every further row past its floor (a zombie
+    score ln(noise) - consistency of at least ln 2; touches under 2% of the median), up to TOP_ROWS: every row
+    the rules could name, and no healthy filler. Of 600 rows, 60 toggle and 40 are looked up once in 100
+    steps; without them, each list holds the worst 32."""
+    from probes.embeddings import LISTED_ROWS, RARE_FLOOR, ZOMBIE_FLOOR
+
+    def last_report(zombies: set[int], rare: torch.Tensor) -> dict:
+        torch.manual_seed(0)
+        model = Toy(rows=600, dim=2)
+        probe, sink = attach(model, torch.optim.SGD(model.parameters(), lr=0.05), interval=100)
+        gen = torch.Generator().manual_seed(0)
+        common = torch.tensor([i for i in range(600) if i not in set(rare.tolist())])
+        for step in range(301):
+            ids = torch.cat([common, rare]) if step % 100 == 50 else common
+            target = toggling_targets(step, 600, zombies, gen)[ids]
+            loss = ((model(ids) - target) ** 2).sum()
+            probe.optimizer.zero_grad()
+            loss.backward()
+            probe.optimizer.step()
+            probe.step(loss=loss)
+        probe.close()
+        return summaries(sink)[-1][1]["embedding"]
+
+    zombies = set(range(0, 120, 2))
+    e = last_report(zombies, torch.arange(500, 540))
+    listed = [r["row"] for r in e["zombies"]]
+    assert zombies <= set(listed) and len(zombies) <= len(listed) < 256
+    assert all(math.log(r["noise"]) - r["consistency"] >= ZOMBIE_FLOOR - 1e-6 for r in e["zombies"][LISTED_ROWS:])
+    assert sorted(r["row"] for r in e["rarest"]) == list(range(500, 540))
+    assert all(r["touches"] < RARE_FLOOR * e["median_touches"] for r in e["rarest"])
+    healthy = last_report(set(), torch.arange(0))
+    assert len(healthy["zombies"]) == len(healthy["rarest"]) == LISTED_ROWS
+
+
 @pytest.mark.parametrize("setting", ["plain", "l2", "nan"])
 def test_dead_rule_names_never_updated_rows_under_l2_and_after_nan(setting: str, path: str) -> None:
     torch.manual_seed(0)
@@ -972,6 +1007,23 @@ def test_dead_rule_waits_for_enough_updates_and_spares_a_healthy_table() -> None
     train(model, probe, 30, ids=torch.arange(10), opt=probe.optimizer)
     probe.close()
     assert DeadEmbedding().observe({}, obs_of(sink)) == []  # every row is updated now
+
+
+def test_rare_rows_are_a_lower_bound_only_when_the_probe_list_is_full() -> None:
+    """The probe lists every row updated under 2% of the median (up to 256): 40 rare rows of a shorter list are
+    all of them; 256 listed, all rare, may have been cut."""
+    from diag_server.rules.embeddings import LISTED_MAX
+
+    def judge(n: int) -> dict:
+        rarest = [{"row": i, "touches": 1, "velocity": 0.0, "consistency": 0.0, "snr": 0.0, "noise": 1.0}
+                  for i in range(n)]
+        summary = {"rows": 10_000, "median_touches": 500.0, "tracked_steps": 600, "rarest": rarest}
+        [f] = DeadEmbedding().observe({}, Observations(run="r", stats={"embeddings": {600: [
+            {"name": "t.weight", "embedding": summary}]}}))
+        return f.evidence
+
+    assert judge(40)["rare_rows"] == 40 and not judge(40)["fraction_is_lower_bound"]
+    assert judge(LISTED_MAX)["fraction_is_lower_bound"]
 
 
 def test_collapse_rule_fires_on_collapsed_rows_only() -> None:

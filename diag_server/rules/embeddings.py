@@ -2,8 +2,10 @@
 
 The probe sends, per table and report, a summary (counts, median update frequency, effective rank,
 mean cosine) and the worst rows of each kind with their statistics (see schemas.EmbeddingSummary).
-These rules apply their thresholds to those rows; the fraction of the table they report is exact
-unless every listed row qualifies, in which case it is a lower bound (``fraction_is_lower_bound``).
+These rules apply their thresholds to those rows. The probe lists the worst 32 rows of each kind and
+every further row past a floor below these rules' defaults, up to LISTED_MAX: the fraction of the table
+they report is exact unless the list is full and every listed row qualifies, in which case it is a lower
+bound (``fraction_is_lower_bound``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from schemas.enums import AnomalyKind, Severity
 from .base import Finding, Observations, Param, Rule
 
 EVIDENCE_ROWS = 256  # row ids named in evidence, worst first
+LISTED_MAX = 256  # the most rows the probe lists of a kind (probes/embeddings.py TOP_ROWS): a full list may be cut
 
 
 def _tables(obs: Observations) -> list[tuple[int, str, dict]]:
@@ -139,7 +142,7 @@ class ZombieEmbedding(Rule):
             listed = e.get("zombies") or []
             rows = max(e.get("rows") or 1, 1)
             fraction = len(bad) / rows
-            lower = len(bad) == len(confirmed) and qualifying == len(listed) and len(listed) >= 256
+            lower = len(bad) == len(confirmed) and qualifying == len(listed) and len(listed) >= LISTED_MAX
             worst = bad[0]
             count = f"{len(bad)}{'+' if lower else ''} rows of '{name}' ({100 * fraction:.2g}% of the table)"
             pulls = (f"each lookup pulls them {worst['noise']:.1f}x harder than the median row and the pulls cancel "
@@ -207,7 +210,7 @@ class DeadEmbedding(Rule):
             rows = max(e.get("rows") or 1, 1)
             fraction = dead / rows
             ids = [float(i) for i in (e.get("dead_ids") or [])] + [float(r["row"]) for r in rare]
-            lower = len(rare) == len(e.get("rarest") or []) and len(rare) > 0
+            lower = len(rare) == len(e.get("rarest") or []) >= LISTED_MAX
             nonfinite = e.get("nonfinite_rows") or 0
             tied = e.get("tied_to") or []
             # A tied table's rows learn through the tied parameter (as outputs): rows never looked up are ids the
