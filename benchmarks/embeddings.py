@@ -695,8 +695,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="fix: apply the table fix when zombie_embedding fires (default, what the server proposes), "
                     "or once the overfitting rule fires on the validation MSE, on the tables zombie_embedding named "
                     "(measured, not proposed: docs/embeddings.md)")
-    ap.add_argument("--report-every", type=int, default=50,
-                    help="overhead: the collection's report interval (it tracks every step whatever this is)")
+    ap.add_argument("--report-every", type=int, default=probes.DEFAULT_INTERVAL,
+                    help="overhead: the collection's report interval (it tracks every step whatever this is; default: the "
+                    "probe's default interval)")
     ap.add_argument("--sink", choices=["http", "memory"], default="http",
                     help="overhead: where the events go (http: a real traindx server, as benchmarks/overhead.py)")
     ap.add_argument("--overhead-cases", default="ml,dense,sparse", help="overhead: which of ml, dense, sparse")
