@@ -435,6 +435,18 @@ def _zipf(rows: int, exponent: float = 0.8) -> torch.Tensor:
     return 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** exponent
 
 
+def _stepper(batch_loss, opt: torch.optim.Optimizer, probe):
+    """An overhead arm's training step: a fresh batch's loss, backward, the optimizer, the probe (if any)."""
+    def step() -> None:
+        loss = batch_loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if probe is not None:
+            probe.step(loss=loss)
+    return step
+
+
 def _setup_ml(arm: str, report_every: int, server: str | None, big_dim: int):
     d = load()
     torch.manual_seed(0)
@@ -443,15 +455,10 @@ def _setup_ml(arm: str, report_every: int, server: str | None, big_dim: int):
     probe = _attach_embeddings(model, opt, arm, report_every, server)
     g = torch.Generator().manual_seed(0)
 
-    def step():
+    def batch_loss() -> torch.Tensor:
         idx = torch.randint(0, len(d.ratings), (BATCH,), generator=g)
-        loss = ((model(d.users[idx], d.items[idx]) - d.ratings[idx]) ** 2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if probe is not None:
-            probe.step(loss=loss)
-    return step, probe
+        return ((model(d.users[idx], d.items[idx]) - d.ratings[idx]) ** 2).mean()
+    return _stepper(batch_loss, opt, probe), probe
 
 
 def _setup_big(arm: str, report_every: int, server: str | None, big_dim: int, sparse: bool,
@@ -465,16 +472,11 @@ def _setup_big(arm: str, report_every: int, server: str | None, big_dim: int, sp
     g = torch.Generator().manual_seed(0)
     weights = _zipf(rows)
 
-    def step():
+    def batch_loss() -> torch.Tensor:
         i = torch.multinomial(weights, batch, replacement=True, generator=g)
         u = torch.randint(0, 10_000, (batch,), generator=g)
-        loss = ((item(i) * user(u)).sum(1) - 1.0).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if probe is not None:
-            probe.step(loss=loss)
-    return step, probe
+        return ((item(i) * user(u)).sum(1) - 1.0).pow(2).mean()
+    return _stepper(batch_loss, opt, probe), probe
 
 
 _SETUPS = {"ml": _setup_ml, "dense": lambda *a: _setup_big(*a, sparse=False),
