@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import multiprocessing
 import os
 import statistics
 import sys
@@ -25,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -380,6 +381,20 @@ def _time_steps(step_fn, n: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
 
+def _time_arms(turns: dict, n: int, block: int) -> dict[str, tuple[float, float]]:
+    """Each arm's wall and CPU time per step over ``n`` steps, the arms taking turns every ``block`` steps (a
+    drift of the machine's speed within the repeat weighs on every arm alike). ``turns[arm](b)``: that arm's
+    times per step over b more steps."""
+    wall, cpu = dict.fromkeys(turns, 0.0), dict.fromkeys(turns, 0.0)
+    for at in range(0, n, block):
+        b = min(block, n - at)
+        for arm, turn in turns.items():
+            w, c = turn(b)
+            wall[arm] += w * b
+            cpu[arm] += c * b
+    return {arm: (wall[arm] / n, cpu[arm] / n) for arm in turns}
+
+
 # The overhead arms: no probe; the probe without collections (its own per-step cost: the loss, step
 # times, the sender), which is what "the collection off" leaves; the collection on (its worker where a
 # core is free); on, inline.
@@ -399,7 +414,7 @@ def _attach_embeddings(model, opt, arm: str, report_every: int = 50, server: str
         Embeddings.background = old
 
 
-def overhead(repeats: int, steps: int, report_every: int = 50, sink: str = "http",
+def overhead(repeats: int, steps: int, report_every: int = probes.DEFAULT_INTERVAL, sink: str = "http",
              cases: str = "ml,dense,sparse", big_dim: int = 32) -> None:
     print(f"\n== overhead: step time with the embeddings collection on vs off (tracking every step, a report every "
           f"{report_every} steps; each arm in a process of its own, the arms taking turns every 100 steps, medians "
@@ -508,9 +523,8 @@ def _overhead(repeats: int, steps: int, report_every: int, server: str | None, w
     # +-0.05 a repeat average out within one): in one process they did not measure apart. torch's global
     # optimizer hooks (the collection's) run at every optimizer's step in the process, and a report's work
     # after its step (the sender's serialising, the collector) fell on the next arm's steps: the arm with
-    # no probe was slowed by ~0.07 ms of a 0.65 ms ML-100k step, and the ratio read low (1.18x against
-    # 1.27x measured apart, 2026-12-01). ML-100k's step is ~1 ms: 5x the steps a repeat.
-    import multiprocessing
+    # no probe was slowed by ~0.03-0.07 ms of a 0.65-0.69 ms ML-100k step, and the ratio read low (1.195x
+    # against 1.22x measured apart, 2026-12-01). ML-100k's step is ~1 ms: 5x the steps a repeat.
     ctx = multiprocessing.get_context("spawn")
     cases = [("ML-100k MF, Adam, batch 256", 5 * steps, "ml"),
              (f"1M x {big_dim} table, dense grads + Adam, batch 1024", max(steps // 20, 5), "dense"),
@@ -525,25 +539,19 @@ def _overhead(repeats: int, steps: int, report_every: int, server: str | None, w
         for _, conn in arms.values():
             assert conn.recv() == "ready"
 
-        def turn(arm: str, k: int) -> tuple[float, float]:
-            conn = arms[arm][1]
-            conn.send(k)
-            return conn.recv()
+        def turn(conn) -> Callable[[int], tuple[float, float]]:
+            def run(k: int) -> tuple[float, float]:
+                conn.send(k)
+                return conn.recv()
+            return run
 
-        for arm in ARMS:
-            turn(arm, max(n // 5, 5))  # warm up
+        turns = {arm: turn(conn) for arm, (_, conn) in arms.items()}
+        for run in turns.values():
+            run(max(n // 5, 5))  # warm up
         times: dict[str, list[tuple[float, float]]] = {arm: [] for arm in ARMS}
-        block = 100
         for _ in range(repeats):
-            wall, cpu = dict.fromkeys(ARMS, 0.0), dict.fromkeys(ARMS, 0.0)
-            for at in range(0, n, block):
-                b = min(block, n - at)
-                for arm in ARMS:
-                    w, c = turn(arm, b)
-                    wall[arm] += w * b
-                    cpu[arm] += c * b
-            for arm in ARMS:
-                times[arm].append((wall[arm] / n, cpu[arm] / n))
+            for arm, t in _time_arms(turns, n, block=100).items():
+                times[arm].append(t)
         sizes = {}
         for arm, (proc, conn) in arms.items():
             conn.send(None)

@@ -197,8 +197,9 @@ def embedding_scale_params(kind: AnomalyKind, evidence: dict, *, scope: str = "t
 
 
 def _embedding(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
+    params = embedding_scale_params(a.kind, a.evidence)
     tied = a.evidence.get("tied_to") or []
-    if a.kind == AnomalyKind.dead_embedding and tied:
+    if params is None and a.kind == AnomalyKind.dead_embedding and tied:  # no up-weighting: advice instead
         return [Candidate(
             FixAction.advice, {"instructions": f"Nothing to apply if these ids are meant to be absent from the inputs "
                                f"(vocabulary the data does not use). If they should appear, check the tokenizer and "
@@ -207,7 +208,6 @@ def _embedding(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
             f"'{a.evidence.get('table')}' is tied to {', '.join(tied)}: its rows never looked up still learn there as "
             "outputs, so they are unused ids, not rows that learn nothing; up-weighting their gradient would only "
             "push those outputs harder.", "None needed for unused ids.", "low", live=False)]
-    params = embedding_scale_params(a.kind, a.evidence)
     if params is None:
         return []
     if a.kind == AnomalyKind.zombie_embedding:

@@ -670,6 +670,13 @@ static void heap_offer(ranked_t *h, Py_ssize_t *n, Py_ssize_t k, ranked_t x)
     h[i] = x;
 }
 
+/* How many rows a list holds: the worst ``least``, or as many as are past its floor, at most ``k``. */
+static inline Py_ssize_t listed(Py_ssize_t past, Py_ssize_t least, Py_ssize_t k)
+{
+    const Py_ssize_t n = past > least ? past : least;
+    return n < k ? n : k;
+}
+
 static int ranked_cmp(const void *a, const void *b)
 {
     const ranked_t x = *(const ranked_t *)a, y = *(const ranked_t *)b;
@@ -863,8 +870,7 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     for (int l = 0; l < 4; l++) /* clear the flags: the window starts empty */
         for (Py_ssize_t i = 0; i < sizes[l]; i++)
             inwin[lists[l][i]] = 0;
-    const Py_ssize_t kz = z_past > n_least ? (z_past < k ? z_past : k) : (n_least < k ? n_least : k);
-    const Py_ssize_t kr = r_past > n_least ? (r_past < k ? r_past : k) : (n_least < k ? n_least : k);
+    const Py_ssize_t kz = listed(z_past, n_least, k), kr = listed(r_past, n_least, k);
     for (Py_ssize_t i = 0; i < n_zc; i++)
         heap_offer(zh, &nz, kz, zc[i]);
     for (Py_ssize_t i = 0; i < n_rc; i++)

@@ -6,6 +6,7 @@ import math
 import sqlite3
 import time
 from types import SimpleNamespace
+from typing import Callable
 
 import httpx
 
@@ -47,14 +48,17 @@ def toggling_targets(step: int, rows: int, zombies: set[int], gen: torch.Generat
     return t
 
 
-def train(model: Toy, probe: probes.Probe | None, steps: int, *, ids: torch.Tensor, zombies: set[int] = frozenset(),
-          lr: float = 0.05, opt: torch.optim.Optimizer | None = None, seed: int = 0, after_step=None) -> None:
+def train(model: Toy, probe: probes.Probe | None, steps: int, *, ids: torch.Tensor | Callable[[int], torch.Tensor],
+          zombies: set[int] = frozenset(), lr: float = 0.05, opt: torch.optim.Optimizer | None = None, seed: int = 0,
+          after_step=None) -> None:
+    """``ids``: the rows each step looks up, or a function of the step giving them."""
     gen = torch.Generator().manual_seed(seed)
     opt = opt or torch.optim.SGD(model.parameters(), lr=lr)
     rows = model.table.weight.shape[0]
     for step in range(steps):
-        target = toggling_targets(step, rows, zombies, gen)[ids]
-        loss = ((model(ids) - target) ** 2).sum()
+        looked_up = ids(step) if callable(ids) else ids
+        target = toggling_targets(step, rows, zombies, gen)[looked_up]
+        loss = ((model(looked_up) - target) ** 2).sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -890,16 +894,9 @@ def test_a_report_lists_the_worst_rows_and_every_row_past_the_floor(path: str) -
         torch.manual_seed(0)
         model = Toy(rows=600, dim=2)
         probe, sink = attach(model, torch.optim.SGD(model.parameters(), lr=0.05), interval=100)
-        gen = torch.Generator().manual_seed(0)
         common = torch.tensor([i for i in range(600) if i not in set(rare.tolist())])
-        for step in range(301):
-            ids = torch.cat([common, rare]) if step % 100 == 50 else common
-            target = toggling_targets(step, 600, zombies, gen)[ids]
-            loss = ((model(ids) - target) ** 2).sum()
-            probe.optimizer.zero_grad()
-            loss.backward()
-            probe.optimizer.step()
-            probe.step(loss=loss)
+        train(model, probe, 301, ids=lambda step: torch.cat([common, rare]) if step % 100 == 50 else common,
+              zombies=zombies, opt=probe.optimizer)
         probe.close()
         return summaries(sink)[-1][1]["embedding"]
 
