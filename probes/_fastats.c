@@ -822,13 +822,16 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     }
     touch_median = lower_median(touched_v, n_t);
     occ_median = lower_median(occ_v, n_occ);
-    /* the spread of the log energy per lookup: MAD_SIGMA x the median |ln(energy / median)| of the same rows
-     * (a robust standard deviation), NaN without a positive median */
+    /* the spread of the log energy per lookup above the median, the side zombie_embedding reads: MAD_SIGMA x
+     * the median ln(energy / median) of the same rows above it (a robust standard deviation of that side),
+     * NaN without a positive median or a row above it */
     float spread = NAN;
     if (occ_median > 0) {
+        Py_ssize_t n_up = 0;
         for (Py_ssize_t i = 0; i < n_occ; i++)
-            occ_v[i] = fabsf(logf(occ_v[i] / occ_median));
-        spread = lower_median(occ_v, n_occ) * (float)mad_sigma;
+            if (occ_v[i] > occ_median)
+                occ_v[n_up++] = logf(occ_v[i] / occ_median);
+        spread = lower_median(occ_v, n_up) * (float)mad_sigma;
     }
     const float often = touch_median == touch_median ? touch_median : INFINITY;
     const float occ_ref = occ_median == occ_median ? occ_median : INFINITY;
@@ -1048,7 +1051,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 11
+#define FASTATS_VERSION 12
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

@@ -89,7 +89,8 @@ NOISE_SNR = EMA_ALPHA / (2 - EMA_ALPHA)
 # fast window).
 MIN_TOUCHES = 20
 # A median absolute deviation times this is the standard deviation of a normal distribution: the
-# reports' ``noise_spread`` is the median |ln(energy / median)| of a table's sampled rows times it.
+# reports' ``noise_spread`` is the median ln(energy / median) of a table's sampled rows above the median
+# times it.
 MAD_SIGMA = 1.4826
 # Rows listed per table and kind (zombies, rarest) in a report: the worst LISTED_ROWS, and further ones, up to
 # TOP_ROWS, while they are past the floor of their kind: a zombie score (ln(noise) - consistency) of at least
@@ -811,10 +812,13 @@ def _zombie_score(eligible: torch.Tensor, noise: torch.Tensor, consistency: torc
 
 
 def _log_spread(occ: torch.Tensor, eligible: torch.Tensor, median: torch.Tensor) -> torch.Tensor:
-    """The spread of the log energy per lookup of the ``eligible`` rows: MAD_SIGMA x the median of
-    |ln(occ / median)| (a standard deviation that the few outlying rows a rule looks for do not move).
-    NaN without a positive median."""
-    dev = torch.where(eligible, (occ / median).log().abs(), torch.full_like(occ, float("nan")))
+    """The spread of the log energy per lookup of the ``eligible`` rows above their median, the side the
+    zombie rule reads: MAD_SIGMA x the median of ln(occ / median) over those rows. A standard deviation that
+    the few outlying rows a rule looks for barely move; for symmetric log energies, that of the whole. A
+    table that fits its data spreads its rows below the median wider (rows it memorises go quiet) than above
+    it: measured on both sides, that width was read as the upper tail's (docs/embeddings.md). NaN without a
+    positive median or a row above it."""
+    dev = torch.where(eligible & (occ > median), (occ / median).log(), torch.full_like(occ, float("nan")))
     return torch.where(median > 0, dev.nanmedian() * MAD_SIGMA, torch.full_like(median, float("nan")))
 
 

@@ -123,9 +123,10 @@ class EmbeddingSummary(_Model):
     median_touches: Number = Field(None, description="Median touches among rows updated at least once.")
     eligible_rows: int = Field(0, ge=0, description="Rows touched often enough for their direction statistics to count.")
     negative_consistency_rows: int = Field(0, ge=0, description="Eligible rows whose updates reverse on average.")
-    noise_spread: Number = Field(None, description="Spread of the eligible rows' log energy per lookup: 1.4826 x the "
-                                 "median |ln(noise)| over the table's sampled rows (a robust standard deviation: "
-                                 "zombie_embedding reads how many rows of a healthy table pass a row's noise by chance).")
+    noise_spread: Number = Field(None, description="Spread of the eligible rows' log energy per lookup above the "
+                                 "median: 1.4826 x the median ln(noise) of the table's sampled rows above the median "
+                                 "row (a robust standard deviation of the side zombie_embedding reads: how many rows of "
+                                 "a healthy table pass a row's noise by chance).")
     effective_rank: Number = Field(None, description="exp(entropy of normalised singular values) of sampled rows.")
     mean_cosine: Number = Field(None, description="Mean pairwise cosine of sampled rows.")
     sampled_rows: int = Field(0, ge=0, description="Rows sampled for effective_rank and mean_cosine.")
