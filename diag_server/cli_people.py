@@ -204,10 +204,10 @@ def register(main: click.Group) -> None:
                 return (f"no embedding tables reported in {run} (the embeddings collection is off, or the model "
                         "has no nn.Embedding / nn.EmbeddingBag)")
             out = [table(["TABLE", "RANK", "STEP", "ROWS", "DIM", "UPDATED", "NEVER", "NONFINITE", "MEDIAN UPD",
-                          "NOISE SPREAD", "EFF RANK", "MEAN COS"],
+                          "SCORE SPREAD", "EFF RANK", "MEAN COS"],
                          [[t.name, t.rank, t.step, t.summary.rows, t.summary.dim, t.summary.touched_rows,
                            t.summary.never_updated, t.summary.nonfinite_rows, t.summary.median_touches,
-                           t.summary.noise_spread, t.summary.effective_rank, t.summary.mean_cosine]
+                           t.summary.score_spread, t.summary.effective_rank, t.summary.mean_cosine]
                           for t in got.tables])]
             for t in got.tables:
                 if t.summary.zombies:

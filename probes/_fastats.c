@@ -756,7 +756,7 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     int64_t *dl = (int64_t *)(uintptr_t)d_p;
     double *out = (double *)(uintptr_t)out_p;
     double *x = (double *)(uintptr_t)x_p, *xsum = calloc((size_t)dim, sizeof(double));
-    float *scratch = malloc((size_t)(2 * n_sample + 1) * sizeof(float));
+    float *scratch = malloc((size_t)(3 * n_sample + 1) * sizeof(float));
     uint8_t *ok = malloc((size_t)n_sample + 1); /* which rows of the sample were updated and are finite */
     ranked_t *heaps = malloc((size_t)(2 * k + 1) * sizeof(ranked_t));
     const Py_ssize_t n_cand = n_win + n_z + n_r + n_nf;
@@ -779,7 +779,7 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     /* the fixed sample: medians of touches (rows updated) and of energy per lookup (eligible rows), the
      * eligible rows whose consistency is negative, and which rows the collapse statistics read */
     Py_ssize_t n_t = 0, n_occ = 0, neg = 0;
-    float *touched_v = scratch, *occ_v = scratch + n_sample;
+    float *touched_v = scratch, *occ_v = scratch + n_sample, *score_v = scratch + 2 * n_sample;
     for (Py_ssize_t i = 0; i < n_sample; i++) {
         const float *st = state + sample[i] * C;
         const float t = st[0];
@@ -825,9 +825,24 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     /* the spread of the log energy per lookup above the median, the side zombie_embedding reads: MAD_SIGMA x
      * the median ln(energy / median) of the same rows above it (a robust standard deviation of that side),
      * NaN without a positive median or a row above it */
-    float spread = NAN;
+    float spread = NAN, score_median = NAN, score_spread = NAN;
     if (occ_median > 0) {
-        Py_ssize_t n_up = 0;
+        /* the zombie scores, ln(noise) - consistency (as the zombies are ranked), their median and the spread
+         * of those above it, the same way: what zombie_embedding reads a listed row's score against */
+        Py_ssize_t n_s = 0, n_up = 0;
+        for (Py_ssize_t i = 0; i < n_sample; i++) { /* the eligible rows again (occ_v is reordered) */
+            const float *st = state + sample[i] * C;
+            if (st[0] >= min_touches && !(st[7] > 0)) {
+                const float noise = st[6] / occ_median;
+                score_v[n_s++] = logf(noise > 1e-6f ? noise : 1e-6f) - ratio_f(st[2], st[3]);
+            }
+        }
+        score_median = lower_median(score_v, n_s);
+        for (Py_ssize_t i = 0; i < n_s; i++)
+            if (score_v[i] > score_median)
+                score_v[n_up++] = score_v[i] - score_median;
+        score_spread = lower_median(score_v, n_up) * (float)mad_sigma;
+        n_up = 0;
         for (Py_ssize_t i = 0; i < n_occ; i++)
             if (occ_v[i] > occ_median)
                 occ_v[n_up++] = logf(occ_v[i] / occ_median);
@@ -902,7 +917,7 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     /* out: the scalars, the non-finite ids, the zombies' ids and columns, the rarest's, the collapse
      * statistics (effective rank, mean cosine, rows), the dead ids */
     double untouched_bad = 0, nan_count = 0, inf_count = 0;
-    double *o = out + 10;
+    double *o = out + 12;
     for (Py_ssize_t i = 0; i < nnf; i++) {
         const int64_t row = bad[i];
         nfl[i] = row;
@@ -934,8 +949,8 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     o += 3;
     for (Py_ssize_t i = 0; i < nd; i++)
         o[i] = (double)dl[i];
-    const double scalars[10] = {(double)counts[0], (double)counts[1], (double)counts[2], (double)neg, (double)n_occ,
-                                touch_median, untouched_bad, nan_count, inf_count, spread};
+    const double scalars[12] = {(double)counts[0], (double)counts[1], (double)counts[2], (double)neg, (double)n_occ,
+                                touch_median, untouched_bad, nan_count, inf_count, spread, score_median, score_spread};
     memcpy(out, scalars, sizeof scalars);
     Py_END_ALLOW_THREADS
     free(xsum);
@@ -1051,7 +1066,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 12
+#define FASTATS_VERSION 13
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

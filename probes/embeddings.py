@@ -654,7 +654,7 @@ class TableState:
         go to the lower row id. A natively tracked table is summarised by the kernel (report_rows, the
         same lists and counts); here each set of rows is gathered once: ~60 operations a table.
 
-        Layout (see _decode): 10 scalars, the non-finite ids, the zombies' ids and five columns, the
+        Layout (see _decode): 12 scalars, the non-finite ids, the zombies' ids and five columns, the
         rarest's, the collapse statistics (3), the dead ids."""
         if self.native and _kernel_reads(self.weight):
             return self._native_report(sampled)
@@ -695,6 +695,7 @@ class TableState:
         el = (ss[0] >= MIN_TOUCHES) & ~(ss[7] > 0)
         neg = torch.stack([(el & (ss[2] < 0)).sum(), el.sum()])  # consistency < 0: its numerator < 0
         spread = _log_spread(ss[6], el, self.occ_median)
+        scores = _score_spread(ss[6], ss[2], ss[3], el, self.occ_median)
         rank, cosine, sampled = self._collapse(sampled, (ss[0] > 0) & ~(ss[7] > 0))
         nf = self.nonfinite_ids.numel()
         if nf:  # on the worker, read a step or two after the report's step: a row gone NaN or inf stays so
@@ -703,7 +704,7 @@ class TableState:
         else:
             bad_stats = torch.zeros(3, dtype=torch.long, device=dev)
         parts = [torch.cat([self.counts, neg]).to(f64), self.touch_median.to(f64)[None], bad_stats.to(f64),
-                 spread.to(f64)[None], self.nonfinite_ids.to(f64),
+                 spread.to(f64)[None], scores.to(f64), self.nonfinite_ids.to(f64),
                  self.zombie_ids.to(f64), cols.index_select(1, zpos).to(f64).reshape(-1),
                  self.rare_ids.to(f64), cols.index_select(1, rpos).to(f64).reshape(-1),
                  torch.stack([rank, cosine, sampled]).to(f64), self.dead_ids.to(f64)]
@@ -718,7 +719,7 @@ class TableState:
         k = min(TOP_ROWS, self.rows)
         z, r, nf, dead = self._lists  # the four lists view these (the torch report never ran here)
         window, self._win_n = self._win_n, 0  # the kernel clears the window's flags: it starts again empty
-        out = torch.empty(13 + 14 * k, dtype=torch.float64)
+        out = torch.empty(15 + 14 * k, dtype=torch.float64)
         # The collapse statistics' rows, as float64 (the kernel copies them in and sums their unit vectors).
         x = self._collapse_rows
         if x is None and self.dim >= 4:
@@ -734,7 +735,7 @@ class TableState:
             0 if x is None else x.data_ptr(), 0 if x is None else x.shape[0], LISTED_ROWS, ZOMBIE_FLOOR, RARE_FLOOR)
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = z[:nz], r[:nr], nf[:nnf], dead[:nd]
         self.touch_median, self.occ_median = torch.tensor(touch_median), torch.tensor(occ_median)
-        at = 10 + nnf + 6 * (nz + nr)
+        at = 12 + nnf + 6 * (nz + nr)
         if m >= 2:  # the kernel wrote the mean cosine and the rows; the rank, from the rows' eigenvalues
             out[at] = _rank_of(torch.linalg.eigvalsh(_gram(x[:m])).tolist())
         plan = {"window": window, "dead": nd, "nonfinite": nnf, "zombies": nz, "rarest": nr}
@@ -822,6 +823,19 @@ def _log_spread(occ: torch.Tensor, eligible: torch.Tensor, median: torch.Tensor)
     return torch.where(median > 0, dev.nanmedian() * MAD_SIGMA, torch.full_like(median, float("nan")))
 
 
+def _score_spread(occ: torch.Tensor, num: torch.Tensor, den: torch.Tensor, eligible: torch.Tensor,
+                  median: torch.Tensor) -> torch.Tensor:
+    """The median zombie score (ln(noise) - consistency, as the zombies are ranked) of the ``eligible`` rows
+    and the spread of those above it (MAD_SIGMA x their median excess over it): what the zombie rule reads a
+    listed row's score against. Two NaN without a positive median."""
+    nan = torch.full_like(occ, float("nan"))
+    score = torch.where(eligible, torch.log(_ratio(occ, median).clamp_min(1e-6)) - _ratio(num, den), nan)
+    centre = score.nanmedian()
+    spread = torch.where(score > centre, score - centre, nan).nanmedian() * MAD_SIGMA
+    return torch.where(median > 0, torch.stack([centre, spread]), torch.full((2,), float("nan"), dtype=occ.dtype,
+                                                                              device=occ.device))
+
+
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return num / den.clamp_min(1e-30)
 
@@ -883,8 +897,8 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
         return x if isfinite(x) else None
 
     touched, nonfinite, eligible, neg_sample, eligible_sample, median, untouched_bad, nan_count, inf_count = raw[:9]
-    spread = raw[9]
-    at = 10
+    spread, score_median, score_spread = raw[9:12]
+    at = 12
 
     def take(n: int) -> list[float]:
         nonlocal at
@@ -916,7 +930,7 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
         "nonfinite_rows": int(nonfinite), "median_touches": num(median), "eligible_rows": int(eligible),
         # estimated from the fixed sample of rows
         "negative_consistency_rows": round(neg_sample / max(eligible_sample, 1.0) * eligible),
-        "noise_spread": num(spread),
+        "noise_spread": num(spread), "score_median": num(score_median), "score_spread": num(score_spread),
         "effective_rank": num(rank), "mean_cosine": num(cosine), "sampled_rows": int(sampled),
         "zombies": rowlist(z_at, plan["zombies"]),
         "rarest": rowlist(r_at, plan["rarest"]),

@@ -127,6 +127,12 @@ class EmbeddingSummary(_Model):
                                  "median: 1.4826 x the median ln(noise) of the table's sampled rows above the median "
                                  "row (a robust standard deviation of the side zombie_embedding reads: how many rows of "
                                  "a healthy table pass a row's noise by chance).")
+    score_median: Number = Field(None, description="Median zombie score (ln(noise) - consistency, as zombies are "
+                                 "ranked) of the table's sampled eligible rows.")
+    score_spread: Number = Field(None, description="Spread of the sampled eligible rows' zombie scores above their "
+                                 "median: 1.4826 x the median excess over it (a robust standard deviation: "
+                                 "zombie_embedding reads how many rows of a healthy table score as high as a listed "
+                                 "row by chance).")
     effective_rank: Number = Field(None, description="exp(entropy of normalised singular values) of sampled rows.")
     mean_cosine: Number = Field(None, description="Mean pairwise cosine of sampled rows.")
     sampled_rows: int = Field(0, ge=0, description="Rows sampled for effective_rank and mean_cosine.")

@@ -601,7 +601,7 @@ def test_the_kernel_builds_the_listed_rows_as_the_python_decoder_does(monkeypatc
     kernel, nan, inf = probes.stats._fastats, float("nan"), float("inf")
     zombies = [[3.0, 9.0], [40.0, 21.0], [0.5, 0.25], [-0.3, nan], [0.04, 0.05], [3.5, inf]]
     rarest = [[12.0], [1.0], [0.0], [0.0], [-inf], [0.0]]
-    raw = [2.0, 0.0, 2.0, 1.0, 2.0, 21.0, 0.0, 0.0, 0.0, 0.4] + [c for col in zombies for c in col] \
+    raw = [2.0, 0.0, 2.0, 1.0, 2.0, 21.0, 0.0, 0.0, 0.0, 0.4, 0.1, 0.6] + [c for col in zombies for c in col] \
         + [c for col in rarest for c in col] + [4.0, 0.1, 2.0] + [5.0]
     plan = {"window": 3, "nonfinite": 0, "zombies": 2, "rarest": 1, "dead": 1}
     t = SimpleNamespace(rows=20, dim=2, sparse=False, padding=torch.empty(0), tied=())
@@ -615,6 +615,7 @@ def test_the_kernel_builds_the_listed_rows_as_the_python_decoder_does(monkeypatc
     assert native["embedding"]["rarest"] == [{"row": 12, "touches": 1, "velocity": 0.0, "consistency": 0.0,
                                               "snr": None, "noise": 0.0}]
     assert native["embedding"]["dead_ids"] == [5] and native["embedding"]["noise_spread"] == 0.4
+    assert native["embedding"]["score_median"] == 0.1 and native["embedding"]["score_spread"] == 0.6
     with pytest.raises(ValueError, match="six columns"):
         kernel.row_dicts(raw, len(raw) - 5, 1, probes.embeddings._ROW_KEYS)
     with pytest.raises(TypeError):
@@ -689,7 +690,9 @@ def test_the_native_report_lists_what_the_torch_report_lists(rows: int, dim: int
         for key in ("dead_ids", "nonfinite_ids", "touched_rows", "never_updated", "nonfinite_rows", "eligible_rows",
                     "median_touches", "negative_consistency_rows", "sampled_rows"):
             assert a[key] == b[key], key
-        assert a["noise_spread"] == pytest.approx(b["noise_spread"], rel=1e-5) and a["noise_spread"] > 0
+        for key in ("noise_spread", "score_median", "score_spread"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+        assert a["noise_spread"] > 0 and a["score_spread"] > 0
         for key in ("effective_rank", "mean_cosine"):  # None below 4 columns
             assert (a[key] is None) == (b[key] is None) == (dim < 4)
             assert a[key] is None or a[key] == pytest.approx(b[key])
@@ -1102,6 +1105,30 @@ def test_zombie_rule_tells_rows_that_stand_out_from_the_tail_the_tables_spread_g
         assert f.severity != Severity.info and f.evidence["stand_out"] and named == list(range(30))
 
 
+def test_zombie_rule_reads_a_rows_reversal_as_well_as_its_energy_against_the_table() -> None:
+    """The chance test reads the zombie score (ln(noise) - consistency, as the probe ranks the rows) against
+    the table's spread of scores: of rows pulled equally hard (3-4x the median), 30 whose successive
+    gradients barely disagree (-0.05, as a healthy vector row's) are the tail of a 10,000-row table, and 5
+    whose updates keep reversing (-0.8: a bias row with toggling labels) stand out of it. From the
+    energy alone (a probe that sends no score spread) the two cannot be told apart."""
+    def judge(spreads: dict):
+        rows = [{"row": i, "touches": 200, "velocity": 0.1, "consistency": -0.8 if i >= 30 else -0.05, "snr": 0.05,
+                 "noise": 3.0 + (i % 30) / 30} for i in range(35)]
+        summary = {"rows": 10_000, "eligible_rows": 10_000, "median_touches": 100.0, **spreads,
+                   "zombies": sorted(rows, key=lambda r: r["consistency"] - math.log(r["noise"]))}
+        obs = Observations(run="r", stats={"embeddings": {s: [{"name": "t.weight", "embedding": summary}]
+                                                          for s in (100, 200)}})
+        [f] = ZombieEmbedding().observe({}, obs)
+        return f, sorted(int(r) for r in f.evidence["rows"])
+
+    f, named = judge({"noise_spread": 0.5, "score_median": 0.0, "score_spread": 0.5})
+    assert f.severity == Severity.warning and named == list(range(30, 35)) and f.evidence["score_spread"] == 0.5
+    assert f.evidence["past_thresholds"] == 35 and f.evidence["expected_by_chance"] < 2.5
+    assert "zombie scores" in f.message
+    f, named = judge({"noise_spread": 0.5})
+    assert f.severity == Severity.info and named == list(range(35))
+
+
 def test_rules_ignore_other_collections_and_round_trip_state() -> None:
     obs = Observations(run="r", stats={"weights": {0: [{"name": "w", "norm": 1.0}]}})
     for rule in (ZombieEmbedding(), DeadEmbedding(), EmbeddingCollapse()):
@@ -1323,7 +1350,7 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["TABLE", "RANK", "STEP"] and lines[2].split()[:8] == ["table.weight", "0", "80",
                                                                                          "40", "2", "38", "2", "0"]
-    assert "NOISE SPREAD" in lines[0] and float(lines[2].split()[9]) > 0  # what a row's noise is read against
+    assert "SCORE SPREAD" in lines[0] and float(lines[2].split()[9]) > 0  # what a row's score is read against
     at = lines.index("table.weight (rank 0): rows most like zombies, worst first")
     assert sorted(int(line.split()[0]) for line in lines[at + 3:at + 6]) == [3, 17, 29]
     assert "table.weight: never updated: 5, 33" in lines

@@ -229,7 +229,7 @@ function embeddingTables(tables) {
       + (s.tied_to.length ? ` · tied to ${s.tied_to.join(", ")}` : "");
     return el("tr", { "data-table": t.name, "data-rank": String(t.rank) },
       ...[name, t.step, s.rows, s.touched_rows, s.never_updated,
-          s.nonfinite_rows, s.median_touches, s.noise_spread, s.effective_rank, s.mean_cosine, worst || "-"]
+          s.nonfinite_rows, s.median_touches, s.score_spread, s.effective_rank, s.mean_cosine, worst || "-"]
         .map((v) => el("td", {}, typeof v === "string" ? v : v === null ? "-" : fmt(v)))); // null: not measured
   }));
   $("#embeddings-panel").hidden = !tables.length;
