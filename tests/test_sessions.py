@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -89,6 +90,26 @@ def test_a_stall_of_the_machine_is_not_a_difference_and_a_problem_of_the_job_sti
     assert diff({"causes": []}, {"causes": [{"anomaly_id": "a-2", "kind": "step_time_outlier"}]}) == []
     assert diff({"anomalies_by_kind": {}}, {"anomalies_by_kind": {"memory_growth": 1}}) == [
         "$.anomalies_by_kind.memory_growth: not in the recording"]
+
+
+def test_a_diverged_replay_waits_for_its_first_difference_only():
+    """A poll is sent again until its recorded answer comes back; once one call has differed the session has
+    diverged, and later calls are sent once, not each waited for (a drifted recording fails in one timeout
+    with its first difference, not in the test's timeout with none)."""
+    calls = [{"seq": i, "tool": tool, "arguments": {}, "is_error": False, "structured": {"kind": "zombie_embedding"}}
+             for i, tool in enumerate(["get_anomalies", "get_run", "get_fix", "get_embeddings"])]
+    sent: list[str] = []
+
+    class Client:
+        async def call_tool(self, tool: str, arguments: dict):
+            sent.append(tool)
+            kind = "loss_divergence" if tool in ("get_run", "get_fix") else "zombie_embedding"
+            return SimpleNamespace(is_error=False, structured_content={"kind": kind})
+
+    report = asyncio.run(replay(Client(), calls, timeout=0.5, poll=0.01))
+    assert [m.seq for m in report.mismatches] == [1, 2] and "loss_divergence" in report.mismatches[0].differences[0]
+    assert sent.count("get_anomalies") == 1 and sent.count("get_run") > 1  # matched at once; polled to its deadline
+    assert sent.count("get_fix") == 1 and sent.count("get_embeddings") == 1  # after the divergence: once each
 
 
 def test_a_malformed_session_is_refused(tmp_path):
