@@ -721,6 +721,24 @@ static float lower_median(float *v, Py_ssize_t n)
 
 static inline float ratio_f(float num, float den) { return num / (den > 1e-30f ? den : 1e-30f); }
 
+/* a row's zombie score, ln(noise) - consistency (TableState.zombie_score), from its state and the median energy */
+static inline float zombie_score(const float *st, float occ_ref)
+{
+    const float noise = ratio_f(st[6], occ_ref);
+    return logf(noise > 1e-6f ? noise : 1e-6f) - ratio_f(st[2], st[3]);
+}
+
+/* MAD_SIGMA x the median excess over ``centre`` of the values of v[0..n) above it (a robust standard deviation
+ * of that side), reordering v; NaN when none is above */
+static float upper_spread(float *v, Py_ssize_t n, float centre, double mad_sigma)
+{
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (v[i] > centre)
+            v[m++] = v[i] - centre;
+    return lower_median(v, m) * (float)mad_sigma;
+}
+
 /* a candidate's five columns as the report lists them: touches, velocity, consistency, snr, noise */
 static void row_columns(const float *st, float occ_ref, double *out, Py_ssize_t stride)
 {
@@ -829,24 +847,17 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     if (occ_median > 0) {
         /* the zombie scores, ln(noise) - consistency (as the zombies are ranked), their median and the spread
          * of those above it, the same way: what zombie_embedding reads a listed row's score against */
-        Py_ssize_t n_s = 0, n_up = 0;
+        Py_ssize_t n_s = 0;
         for (Py_ssize_t i = 0; i < n_sample; i++) { /* the eligible rows again (occ_v is reordered) */
             const float *st = state + sample[i] * C;
-            if (st[0] >= min_touches && !(st[7] > 0)) {
-                const float noise = st[6] / occ_median;
-                score_v[n_s++] = logf(noise > 1e-6f ? noise : 1e-6f) - ratio_f(st[2], st[3]);
-            }
+            if (st[0] >= min_touches && !(st[7] > 0))
+                score_v[n_s++] = zombie_score(st, occ_median);
         }
         score_median = lower_median(score_v, n_s);
-        for (Py_ssize_t i = 0; i < n_s; i++)
-            if (score_v[i] > score_median)
-                score_v[n_up++] = score_v[i] - score_median;
-        score_spread = lower_median(score_v, n_up) * (float)mad_sigma;
-        n_up = 0;
+        score_spread = upper_spread(score_v, n_s, score_median, mad_sigma);
         for (Py_ssize_t i = 0; i < n_occ; i++)
-            if (occ_v[i] > occ_median)
-                occ_v[n_up++] = logf(occ_v[i] / occ_median);
-        spread = lower_median(occ_v, n_up) * (float)mad_sigma;
+            occ_v[i] = logf(occ_v[i] / occ_median);
+        spread = upper_spread(occ_v, n_occ, 0.0f, mad_sigma);
     }
     const float often = touch_median == touch_median ? touch_median : INFINITY;
     const float occ_ref = occ_median == occ_median ? occ_median : INFINITY;
@@ -877,8 +888,7 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
             rc[n_rc++] = (ranked_t){t, row};
             r_past += t < rare_below;
             if (t >= often && t >= min_touches) {
-                const float noise = ratio_f(st[6], occ_ref);
-                const float score = logf(noise > 1e-6f ? noise : 1e-6f) - ratio_f(st[2], st[3]);
+                const float score = zombie_score(st, occ_ref);
                 if (isfinite(score)) {
                     zc[n_zc++] = (ranked_t){-score, row};
                     z_past += score >= (float)z_floor;

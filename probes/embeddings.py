@@ -819,21 +819,25 @@ def _log_spread(occ: torch.Tensor, eligible: torch.Tensor, median: torch.Tensor)
     table that fits its data spreads its rows below the median wider (rows it memorises go quiet) than above
     it: measured on both sides, that width was read as the upper tail's (docs/embeddings.md). NaN without a
     positive median or a row above it."""
-    dev = torch.where(eligible & (occ > median), (occ / median).log(), torch.full_like(occ, float("nan")))
-    return torch.where(median > 0, dev.nanmedian() * MAD_SIGMA, torch.full_like(median, float("nan")))
+    logs = torch.where(eligible, (occ / median).log(), torch.full_like(occ, float("nan")))
+    return torch.where(median > 0, _upper_spread(logs, torch.zeros_like(median)), torch.full_like(median, float("nan")))
 
 
 def _score_spread(occ: torch.Tensor, num: torch.Tensor, den: torch.Tensor, eligible: torch.Tensor,
                   median: torch.Tensor) -> torch.Tensor:
-    """The median zombie score (ln(noise) - consistency, as the zombies are ranked) of the ``eligible`` rows
-    and the spread of those above it (MAD_SIGMA x their median excess over it): what the zombie rule reads a
-    listed row's score against. Two NaN without a positive median."""
-    nan = torch.full_like(occ, float("nan"))
-    score = torch.where(eligible, torch.log(_ratio(occ, median).clamp_min(1e-6)) - _ratio(num, den), nan)
+    """The median zombie score (as the zombies are ranked) of the ``eligible`` rows and the spread of those
+    above it: what the zombie rule reads a listed row's score against. Two NaN without a positive median."""
+    score = torch.where(eligible, _zombie_score(eligible, _ratio(occ, median), _ratio(num, den)),
+                        torch.full_like(occ, float("nan")))
     centre = score.nanmedian()
-    spread = torch.where(score > centre, score - centre, nan).nanmedian() * MAD_SIGMA
-    return torch.where(median > 0, torch.stack([centre, spread]), torch.full((2,), float("nan"), dtype=occ.dtype,
-                                                                              device=occ.device))
+    return torch.where(median > 0, torch.stack([centre, _upper_spread(score, centre)]),
+                       torch.full((2,), float("nan"), dtype=occ.dtype, device=occ.device))
+
+
+def _upper_spread(x: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+    """MAD_SIGMA x the median excess over ``centre`` of the values of ``x`` above it (NaN: not counted), a
+    robust standard deviation of that side; NaN when none is above."""
+    return torch.where(x > centre, x - centre, torch.full_like(x, float("nan"))).nanmedian() * MAD_SIGMA
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

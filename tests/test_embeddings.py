@@ -1127,6 +1127,8 @@ def test_zombie_rule_reads_a_rows_reversal_as_well_as_its_energy_against_the_tab
     assert "zombie scores" in f.message
     f, named = judge({"noise_spread": 0.5})
     assert f.severity == Severity.info and named == list(range(35))
+    f, named = judge({"score_spread": 0.5})  # a spread without its median (and no noise_spread): the thresholds
+    assert f.severity == Severity.warning and named == list(range(35)) and f.evidence["expected_by_chance"] is None
 
 
 def test_rules_ignore_other_collections_and_round_trip_state() -> None:

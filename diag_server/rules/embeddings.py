@@ -107,9 +107,10 @@ class ZombieEmbedding(Rule):
         table's score_spread), the most extreme k rows for the largest k at which N x p of the k-th is at most
         max_chance x k (Benjamini-Hochberg). A wide table's tail, not its zombies, crosses a fixed ratio: ten
         thousand healthy rows put dozens past 2.5x the median. All of ``rows`` without a spread (an older probe)."""
-        if not (e.get("score_spread") or e.get("noise_spread")) or not rows or not e.get("eligible_rows"):
+        chance = [(_by_chance(e, r), i) for i, r in enumerate(rows)] if e.get("eligible_rows") else []
+        if not chance or chance[0][0] is None:
             return rows
-        chance = sorted((_by_chance(e, r), i) for i, r in enumerate(rows))
+        chance.sort()
         k = max((j for j, (c, _) in enumerate(chance, 1) if c <= self.p.max_chance * j), default=0)
         named = {i for _, i in chance[:k]}
         return [r for i, r in enumerate(rows) if i in named]
@@ -149,8 +150,8 @@ class ZombieEmbedding(Rule):
             zombies = len(standing) >= self.p.min_rows
             bad = standing if zombies else confirmed
             least = min(r["noise"] for r in bad)
-            chances = [c for c in (_by_chance(e, r) for r in bad) if c is not None]
-            chance = max(chances) if chances else None  # rows as far out as the least of them
+            chances = [_by_chance(e, r) for r in bad]  # None for every row, or for none
+            chance = None if chances[0] is None else max(chances)  # rows as far out as the least of them
             listed = e.get("zombies") or []
             rows = max(e.get("rows") or 1, 1)
             fraction = len(bad) / rows
