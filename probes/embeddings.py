@@ -1142,7 +1142,7 @@ class Embeddings(Collection):
             return
         for t in self.tables:
             for m in t.modules:
-                self._handles.append(m.register_forward_hook(self._on_lookup(t)))
+                self._handles.append(m.register_forward_hook(self._on_lookup(t), with_kwargs=True))
         self._handles += self._optimizer_hooks()
 
     def _optimizer_hooks(self) -> list:
@@ -1190,13 +1190,17 @@ class Embeddings(Collection):
     def _on_lookup(self, t: TableState) -> Any:
         grad_enabled, tensor = torch.is_grad_enabled, torch.Tensor
 
-        def hook(module: torch.nn.Module, args: tuple, out: Any) -> None:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
             # Lookups made without autograd (evaluation) teach the table nothing; kept hooks record nothing
             # between collect() and the next arm(). Guarded in place (as guarded() does): one frame less in
-            # every lookup of the training step.
+            # every lookup of the training step. The ids are the first argument, passed by position or as
+            # ``input=`` (both modules' forward(input, ...)): a lookup by keyword missed would leave its rows
+            # learning, untracked.
             try:
-                if self._armed and args and isinstance(args[0], tensor) and grad_enabled():
-                    t.lookups.append(args[0])  # integer ids (no autograd history), flattened in gather()
+                if self._armed and grad_enabled():
+                    ids = args[0] if args else kwargs.get("input")
+                    if isinstance(ids, tensor):
+                        t.lookups.append(ids)  # integer ids (no autograd history), flattened in gather()
             except Exception as e:  # noqa: BLE001 - inside the job's forward
                 self.probe.hook_failed("embeddings hook", e)
         return hook

@@ -193,6 +193,32 @@ def test_sparse_and_dense_gradients_give_the_same_statistics(bag: bool, path: st
     assert torch.allclose(dense.velocity, sparse_.velocity, rtol=1e-5)
 
 
+class KeywordToy(Toy):
+    """Toy, looking its table up by keyword: ``table(input=ids)``."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.table(input=ids[:, None]) if self.bag else self.table(input=ids)).sum(dim=1)
+
+
+@pytest.mark.parametrize("bag", [False, True])
+def test_a_table_looked_up_by_keyword_is_tracked_as_by_position(bag: bool, path: str) -> None:
+    # ``table(input=ids)`` reaches a forward hook in kwargs, not args: before, such a table was never
+    # tracked (every row "never updated", and the rows learning all the while).
+    states = []
+    for cls in (Toy, KeywordToy):
+        torch.manual_seed(0)
+        model = cls(rows=10, dim=3, bag=bag)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        probe, sink = attach(model, opt)
+        train(model, probe, 25, ids=torch.tensor([0, 1, 2, 2, 5]), zombies={1}, opt=opt)
+        probe.close()
+        e = summaries(sink)[-1][1]["embedding"]
+        assert e["touched_rows"] == 4 and e["dead_ids"] == [3, 4, 6, 7, 8, 9]
+        states.append(table_state(probe))
+    positional, keyword = states
+    assert torch.equal(positional.state, keyword.state)
+
+
 def test_sparse_adam_and_untracked_steps(path: str) -> None:
     torch.manual_seed(0)
     model = Toy(rows=50, dim=16, sparse=True)
