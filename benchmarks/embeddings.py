@@ -37,7 +37,7 @@ from diag_server.rules import Observations
 from diag_server.rules.embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
 from diag_server.rules.loss import Overfitting
 from probes.embeddings import Embeddings
-from schemas.enums import AnomalyKind
+from schemas.enums import AnomalyKind, Severity
 
 BATCH = 256
 DIM = 32
@@ -249,9 +249,10 @@ def _last(watch: Watch, kind: AnomalyKind, table: str, standing: bool | None = N
 
 
 def flagged(watch: Watch, kind: AnomalyKind, table: str) -> set[int]:
-    """The rows the rule's last warning on ``table`` named."""
+    """The rows the rule's last warning on ``table`` named (an info, a dead_embedding on rows that learn as
+    outputs, names none)."""
     f = _last(watch, kind, table, standing=True)
-    return {int(x) for x in f.evidence["rows"]} if f else set()
+    return {int(x) for x in f.evidence["rows"]} if f and f.severity != Severity.info else set()
 
 
 def tail_rows(watch: Watch, table: str) -> int:

@@ -219,7 +219,9 @@ def register(main: click.Group) -> None:
                     shown = ", ".join(str(i) for i in t.summary.dead_ids)
                     more = t.summary.never_updated - len(t.summary.dead_ids)
                     what = (f"never looked up (tied to {', '.join(t.summary.tied_to)}, they learn through it)"
-                            if t.summary.tied_to else "never updated")
+                            if t.summary.tied_to else
+                            "never looked up (the weight learns outside its lookups, they learn there)"
+                            if t.summary.learns_outside_lookups else "never updated")
                     out += ["", f"{t.name}: {what}: {shown}" + (f" (+{more} more)" if more > 0 else "")]
             return "\n".join(out)
 

@@ -189,9 +189,10 @@ def embedding_scale_params(kind: AnomalyKind, evidence: dict, *, scope: str = "t
         if scope == "rows":
             params["rows"] = [int(r) for r in evidence.get("rows") or [] if isinstance(r, (int, float))]
         return params
-    # A tied table's rare rows learn mostly as outputs: up-weighting their gradient would push those outputs
-    # harder, not help their lookups.
-    if kind == AnomalyKind.dead_embedding and (evidence.get("rare_rows") or 0) > 0 and not evidence.get("tied_to"):
+    # A tied table's rare rows learn mostly as outputs (as do those of a weight that learns outside its
+    # lookups): up-weighting their gradient would push those outputs harder, not help their lookups.
+    if (kind == AnomalyKind.dead_embedding and (evidence.get("rare_rows") or 0) > 0 and not evidence.get("tied_to")
+            and not evidence.get("learns_outside_lookups")):
         return {"table": table, "starved_below": 0.25, "max_factor": 4.0, "min_factor": 1.0, "mode": "update"}
     return None
 
@@ -199,14 +200,19 @@ def embedding_scale_params(kind: AnomalyKind, evidence: dict, *, scope: str = "t
 def _embedding(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
     params = embedding_scale_params(a.kind, a.evidence)
     tied = a.evidence.get("tied_to") or []
-    if params is None and a.kind == AnomalyKind.dead_embedding and tied:  # no up-weighting: advice instead
+    outside = bool(a.evidence.get("learns_outside_lookups"))
+    if params is None and a.kind == AnomalyKind.dead_embedding and (tied or outside):  # advice, no up-weighting
+        table = a.evidence.get("table")
+        where = f"'{tied[0]}'" if tied else f"the output use of '{table}'"
         return [Candidate(
             FixAction.advice, {"instructions": f"Nothing to apply if these ids are meant to be absent from the inputs "
                                f"(vocabulary the data does not use). If they should appear, check the tokenizer and "
                                f"the data pipeline. If the outputs should never predict them either, mask their logits "
-                               f"(set them to -inf before the loss) so that '{tied[0]}' stops pushing them down."},
-            f"'{a.evidence.get('table')}' is tied to {', '.join(tied)}: its rows never looked up still learn there as "
-            "outputs, so they are unused ids, not rows that learn nothing; up-weighting their gradient would only "
+                               f"(set them to -inf before the loss) so that {where} stops pushing them down."},
+            (f"'{table}' is tied to {', '.join(tied)}: its rows never looked up still learn there as outputs"
+             if tied else f"'{table}' also learns outside its lookups (rows not looked up had a gradient: an output "
+             "matrix, as in a full softmax over its ids): its rows never looked up still learn there")
+            + ", so they are unused ids, not rows that learn nothing; up-weighting their gradient would only "
             "push those outputs harder.", "None needed for unused ids.", "low", live=False)]
     if params is None:
         return []

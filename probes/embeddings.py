@@ -119,6 +119,9 @@ MAX_JOBS = 2
 # The worker thread ends after this many idle seconds (a probe never closed leaves no thread behind for
 # long); the next fold starts another.
 WORKER_IDLE_S = 30.0
+# |cos| between a row's gradient and the row at or above which the gradient pulls the row along itself (a
+# penalty on its norm, as an L2 term in the loss), not towards anything it learns (_look_outside).
+PARALLEL_COS = 0.99
 
 
 def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, list[torch.nn.Module]]]:
@@ -211,6 +214,13 @@ class TableState:
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = (ids[:0] for ids in self._lists)
         self._collapse_rows: torch.Tensor | None = None  # the native report's, allocated at its first
         self.dead_scan = 0
+        # Whether the weight learns outside the table's lookups (an output matrix, as in a full softmax over
+        # its ids, or a functional call): rows not looked up in a step then have a gradient, and a row never
+        # looked up is not one that never learns. Checked at the first tracked step after a report that
+        # listed never or rarely updated rows (_look_outside), said by the report after it; once seen, kept.
+        self.outside = False
+        self._check_outside = False
+        self._outside_seen: torch.Tensor | None = None  # the check's verdict, on the table's device
         self.occ_median = torch.tensor(float("nan"), device=dev)
         self.touch_median = torch.tensor(float("nan"), device=dev)
         # One tracked step's scratch (looked-up indices, then their gradient rows and values), and the
@@ -306,6 +316,8 @@ class TableState:
         # another shape (``weight.data = ...``) since attach, which the kernel would read out of bounds
         if grad.shape != self.shape:
             raise ValueError(f"{self.name}: a gradient of shape {tuple(grad.shape)} for a table of {tuple(self.shape)}")
+        if self._check_outside:
+            self._look_outside(grad, lookups)
         if self.native and w.data_ptr() != self._wp:  # the table was replaced or moved (model.to(), .data = ...)
             self.native = _kernel_reads(w)  # else another dtype, device or layout: the queued path from now
             self._wp, self._tail = w.data_ptr(), None
@@ -351,6 +363,37 @@ class TableState:
         if g is None:
             g = self._copy_rows(grad, ids, 0, at)
         self._cur = (ids, g, self._copy_rows(w.detach(), ids, 1, at), at)
+
+    def _look_outside(self, grad: torch.Tensor, lookups: list[torch.Tensor]) -> None:
+        """Whether rows this step did not look up have a gradient: read on the rows the last report listed
+        as never or rarely updated, less this step's lookups (a few hundred rows, once a report; no host
+        read: the next report carries the verdict). A sparse gradient holds the looked-up rows only: a
+        weight that also learns elsewhere accumulates a dense one."""
+        self._check_outside = False
+        if grad.is_sparse:
+            return
+        cand = torch.cat([self.dead_ids, self.rare_ids])
+        if lookups:
+            ids = lookups[0] if len(lookups) == 1 else torch.cat([x.reshape(-1) for x in lookups])
+            cand = cand[~torch.isin(cand, ids.reshape(-1).to(cand.device))]
+        if cand.numel():
+            g = grad.index_select(0, cand).double()  # float64: a decayed row's (1e-20) products stay normal
+            w = self.weight.detach().index_select(0, cand).double()
+            # A penalty on the rows' norms (an L2 term in the loss) pulls each row along itself: that is not
+            # learning elsewhere, and its rows never looked up are still dead. (A width-1 row is always
+            # along itself: only a zero row's gradient tells there.)
+            dot, norms = (g * w).sum(dim=1).abs(), g.norm(dim=1) * w.norm(dim=1)
+            along = (norms > 0) & (dot >= PARALLEL_COS * norms)
+            seen = ((g != 0).any(dim=1) & torch.isfinite(g).all(dim=1) & ~along).any()
+            self._outside_seen = seen if self._outside_seen is None else self._outside_seen | seen
+
+    def _outside_flag(self) -> torch.Tensor | None:
+        """The check's verdict since the last report (a bool tensor; None: not checked), and whether the next
+        tracked step checks: while the weight is not known to learn outside its lookups and the report lists
+        rows never or rarely updated."""
+        seen, self._outside_seen = self._outside_seen, None
+        self._check_outside = not self.outside and bool(self.dead_ids.numel() or self.rare_ids.numel())
+        return seen
 
     def _native_pre(self, ids: torch.Tensor, grad: torch.Tensor, entries: tuple | None,
                     src: TableState | None = None) -> None:
@@ -655,7 +698,8 @@ class TableState:
         same lists and counts); here each set of rows is gathered once: ~60 operations a table.
 
         Layout (see _decode): 12 scalars, the non-finite ids, the zombies' ids and five columns, the
-        rarest's, the collapse statistics (3), the dead ids."""
+        rarest's, the collapse statistics (3), the dead ids, whether rows not looked up had a gradient (1, 0;
+        NaN: not checked, see _look_outside)."""
         if self.native and _kernel_reads(self.weight):
             return self._native_report(sampled)
         dev, w, f64 = self.weight.device, self.weight.detach(), torch.float64
@@ -708,6 +752,8 @@ class TableState:
                  self.zombie_ids.to(f64), cols.index_select(1, zpos).to(f64).reshape(-1),
                  self.rare_ids.to(f64), cols.index_select(1, rpos).to(f64).reshape(-1),
                  torch.stack([rank, cosine, sampled]).to(f64), self.dead_ids.to(f64)]
+        seen = self._outside_flag()
+        parts.append(torch.full((1,), math.nan, dtype=f64, device=dev) if seen is None else seen.to(f64)[None])
         plan = {"window": window, "dead": self.dead_ids.numel(), "nonfinite": nf,
                 "zombies": zpos.numel(), "rarest": rpos.numel()}
         return torch.cat(parts), plan
@@ -719,7 +765,7 @@ class TableState:
         k = min(TOP_ROWS, self.rows)
         z, r, nf, dead = self._lists  # the four lists view these (the torch report never ran here)
         window, self._win_n = self._win_n, 0  # the kernel clears the window's flags: it starts again empty
-        out = torch.empty(15 + 14 * k, dtype=torch.float64)
+        out = torch.empty(16 + 14 * k, dtype=torch.float64)
         # The collapse statistics' rows, as float64 (the kernel copies them in and sums their unit vectors).
         x = self._collapse_rows
         if x is None and self.dim >= 4:
@@ -739,7 +785,9 @@ class TableState:
         if m >= 2:  # the kernel wrote the mean cosine and the rows; the rank, from the rows' eigenvalues
             out[at] = _rank_of(torch.linalg.eigvalsh(_gram(x[:m])).tolist())
         plan = {"window": window, "dead": nd, "nonfinite": nnf, "zombies": nz, "rarest": nr}
-        return out[:at + 3 + nd], plan
+        seen = self._outside_flag()
+        out[at + 3 + nd] = math.nan if seen is None else float(seen)
+        return out[:at + 4 + nd], plan
 
     def _refill_dead(self, k: int, chunk: int = 1 << 16) -> None:
         """Lowest-id finite rows never updated. A row once updated never becomes dead again, so the list
@@ -914,6 +962,8 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
     at = r_at + 6 * plan["rarest"]
     rank, cosine, sampled = take(3)
     dead_idx = take(plan["dead"])
+    if take(1)[0] == 1.0:  # rows not looked up had a gradient (see TableState._look_outside)
+        table.outside = True
 
     def rowlist(start: int, n: int) -> list[dict]:
         if stats._fastats is not None:
@@ -943,6 +993,8 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
     }
     if table.tied:
         summary["tied_to"] = list(table.tied)
+    if table.outside:
+        summary["learns_outside_lookups"] = True
     return {"name": name, "numel": table.rows * table.dim, "nan_count": int(nan_count),
             "inf_count": int(inf_count), "embedding": summary}
 

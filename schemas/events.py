@@ -150,6 +150,11 @@ class EmbeddingSummary(_Model):
                                       description="Parameters of other modules that are this table's weight (weight "
                                       "tying, e.g. an output projection): through them every row learns, looked up "
                                       "or not, so a row never looked up is not one that never learns.")
+    learns_outside_lookups: bool = Field(False, description="Rows not looked up in a step had a gradient: the weight "
+                                         "also learns outside the table's lookups (an output matrix, as in a full "
+                                         "softmax over its ids, or a functional call), so a row never looked up is "
+                                         "not one that never learns. Checked on the rows a report lists as never "
+                                         "or rarely updated; once seen, kept.")
 
 
 class StatRow(_Model):

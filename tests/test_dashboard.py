@@ -194,6 +194,18 @@ def test_a_recommender_run_shows_its_embedding_tables(live, browser) -> None:
     row = page.locator("#embeddings tbody tr[data-table='wte.weight']")
     row.wait_for(timeout=WAIT_MS)
     assert row.locator("td").first.inner_text() == "wte.weight · tied to lm_head.weight" and errors == []
+
+    # The token table itself as the output matrix (no tie between modules): it learns outside its lookups.
+    model = TinyLM(40, tie=False, output=True)
+    probe = probes.attach(model, torch.optim.Adam(model.parameters(), lr=0.01), server=srv.url, run="dash-output",
+                          token=PEOPLE_TOKEN, collections={"embeddings": 20})
+    train_lm(model, probe, 21, inputs=36)
+    assert probe.flush()
+    probe.close()
+    page.goto(f"{srv.url}/runs/dash-output")
+    row = page.locator("#embeddings tbody tr[data-table='wte.weight']")
+    row.wait_for(timeout=WAIT_MS)
+    assert row.locator("td").first.inner_text() == "wte.weight · learns outside its lookups" and errors == []
     page.close()
 
 

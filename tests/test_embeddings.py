@@ -628,9 +628,9 @@ def test_the_kernel_builds_the_listed_rows_as_the_python_decoder_does(monkeypatc
     zombies = [[3.0, 9.0], [40.0, 21.0], [0.5, 0.25], [-0.3, nan], [0.04, 0.05], [3.5, inf]]
     rarest = [[12.0], [1.0], [0.0], [0.0], [-inf], [0.0]]
     raw = [2.0, 0.0, 2.0, 1.0, 2.0, 21.0, 0.0, 0.0, 0.0, 0.4, 0.1, 0.6] + [c for col in zombies for c in col] \
-        + [c for col in rarest for c in col] + [4.0, 0.1, 2.0] + [5.0]
+        + [c for col in rarest for c in col] + [4.0, 0.1, 2.0] + [5.0] + [nan]
     plan = {"window": 3, "nonfinite": 0, "zombies": 2, "rarest": 1, "dead": 1}
-    t = SimpleNamespace(rows=20, dim=2, sparse=False, padding=torch.empty(0), tied=())
+    t = SimpleNamespace(rows=20, dim=2, sparse=False, padding=torch.empty(0), tied=(), outside=False)
     native = probes.embeddings._decode("w", t, raw, plan, 7)
     monkeypatch.setattr(probes.stats, "_fastats", None)
     python = probes.embeddings._decode("w", t, raw, plan, 7)
@@ -967,6 +967,9 @@ def test_dead_rule_names_never_updated_rows_under_l2_and_after_nan(setting: str,
     assert len(found) == 1
     assert sorted(int(r) for r in found[0].evidence["rows"]) == [4, 9, 22]
     e = summaries(sink)[-1][1]["embedding"]
+    # an L2 term gives every row a gradient, along the row itself: not learning outside the lookups
+    assert found[0].severity == Severity.warning and not found[0].evidence["learns_outside_lookups"]
+    assert "learns_outside_lookups" not in e
     if setting == "nan":
         assert e["nonfinite_rows"] > 0 and not set(e["nonfinite_ids"]) & {4, 9, 22}
         assert found[0].evidence["nonfinite_rows"] == e["nonfinite_rows"]
@@ -975,17 +978,21 @@ def test_dead_rule_names_never_updated_rows_under_l2_and_after_nan(setting: str,
 
 
 class TinyLM(torch.nn.Module):
-    """Next token from the previous one, its output projection tied to the token table or not."""
+    """Next token from the previous one, its output projection tied to the token table or not; or, with
+    ``output``, the token table itself as the output matrix (a functional call: logits = h @ wte.weight.T,
+    as a recommender's full softmax over its items)."""
 
-    def __init__(self, vocab: int, tie: bool) -> None:
+    def __init__(self, vocab: int, tie: bool, output: bool = False) -> None:
         super().__init__()
         self.wte = torch.nn.Embedding(vocab, 8)
         self.lm_head = torch.nn.Linear(8, vocab, bias=False)
         if tie:
             self.lm_head.weight = self.wte.weight
+        self.output = output
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(torch.tanh(self.wte(ids)))
+        h = torch.tanh(self.wte(ids))
+        return torch.nn.functional.linear(h, self.wte.weight) if self.output else self.lm_head(h)
 
 
 def train_lm(model: TinyLM, probe: probes.Probe, steps: int, inputs: int) -> None:
@@ -1001,30 +1008,38 @@ def train_lm(model: TinyLM, probe: probes.Probe, steps: int, inputs: int) -> Non
         probe.step(loss=loss)
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_rows_of_a_tied_table_never_looked_up_are_said_to_learn_through_the_tie(tie: bool, path: str) -> None:
-    # Tokens 30-39 never appear as inputs. Tied to the output projection, their rows still learn (their
-    # logits are pushed down every step): an info that says so, and no up-weighting proposed; untied, dead rows.
+@pytest.mark.parametrize("how", ["tied", "output", "untied"])
+def test_rows_of_a_tied_table_never_looked_up_are_said_to_learn_through_the_tie(how: str, path: str) -> None:
+    # Tokens 30-39 never appear as inputs. Tied to the output projection, or the table itself used as the
+    # output matrix (a full softmax over its ids), their rows still learn (their logits are pushed down every
+    # step): an info that says so, and no up-weighting proposed; untied, dead rows.
     torch.manual_seed(0)
-    model = TinyLM(40, tie)
+    model = TinyLM(40, how == "tied", output=how == "output")
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     probe, sink = attach(model, opt, interval=20)
     before = model.wte.weight[30:].detach().clone()
     train_lm(model, probe, 61, inputs=30)
     probe.close()
-    assert not torch.equal(model.wte.weight[30:], before) if tie else torch.equal(model.wte.weight[30:], before)
-    e = summaries(sink)[-1][1]["embedding"]
+    learns = how != "untied"
+    assert not torch.equal(model.wte.weight[30:], before) if learns else torch.equal(model.wte.weight[30:], before)
+    reports = [row["embedding"] for _, row in summaries(sink) if row["name"] == "wte.weight"]
+    e = reports[-1]
     assert e["never_updated"] == 10
-    assert e.get("tied_to", []) == (["lm_head.weight"] if tie else [])
+    assert e.get("tied_to", []) == (["lm_head.weight"] if how == "tied" else [])
+    # seen at the first step after the first report, said from the next report on
+    assert [r.get("learns_outside_lookups", False) for r in reports] == [False] + [learns] * (len(reports) - 1)
     [found] = DeadEmbedding().observe({}, obs_of(sink))
     assert sorted(int(r) for r in found.evidence["rows"]) == list(range(30, 40))
-    if tie:
+    assert found.evidence["learns_outside_lookups"] == learns
+    if how == "tied":
         assert found.severity == Severity.info and found.evidence["tied_to"] == ["lm_head.weight"]
         assert "tied to 'lm_head.weight'" in found.message and "looked up" in found.message
-        assert embedding_scale_params(found.kind, {**found.evidence, "rare_rows": 1}) is None
+    elif how == "output":
+        assert found.severity == Severity.info and found.evidence["tied_to"] == []
+        assert "learns outside its lookups" in found.message and "never or almost never looked up" in found.message
     else:
         assert found.severity == Severity.warning and "never or almost never updated" in found.message
-        assert embedding_scale_params(found.kind, {**found.evidence, "rare_rows": 1}) is not None
+    assert (embedding_scale_params(found.kind, {**found.evidence, "rare_rows": 1}) is None) == learns
 
 
 def test_dead_rule_waits_for_enough_updates_and_spares_a_healthy_table() -> None:
@@ -1416,29 +1431,36 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
         assert db.execute("SELECT count(*) FROM embedding_tables WHERE run='emb-e2e'").fetchone() == (0,)
 
 
-def test_a_tied_table_through_a_real_server(server) -> None:
-    """What a person reads of a language model whose output projection is its token table, and whose data
-    never holds a tenth of the vocabulary: an info saying the rows learn through the tie, no fix to apply."""
+@pytest.mark.parametrize("how", ["tied", "output"])
+def test_a_tied_table_through_a_real_server(server, how: str) -> None:
+    """What a person reads of a language model whose output projection is its token table (tied, or the table
+    used as the output matrix), and whose data never holds a tenth of the vocabulary: an info saying the rows
+    learn as outputs, no fix to apply."""
     torch.manual_seed(0)
-    model = TinyLM(40, tie=True)
-    probe = probes.attach(model, torch.optim.Adam(model.parameters(), lr=0.01), server=server.url, run="emb-tied",
+    model = TinyLM(40, tie=how == "tied", output=how == "output")
+    run = f"emb-{how}"
+    probe = probes.attach(model, torch.optim.Adam(model.parameters(), lr=0.01), server=server.url, run=run,
                           collections={"embeddings": 20})
     train_lm(model, probe, 61, inputs=36)
     assert probe.flush()
     probe.close()
-    base = f"{server.url}/v1/runs/emb-tied"
+    base = f"{server.url}/v1/runs/{run}"
     [dead] = [a for a in httpx.get(f"{base}/anomalies", headers=AUTH).json()["anomalies"]
               if a["kind"] == "dead_embedding"]
-    assert dead["severity"] == "info" and dead["evidence"]["tied_to"] == ["lm_head.weight"]
+    assert dead["severity"] == "info" and dead["evidence"]["learns_outside_lookups"] is True
+    assert dead["evidence"]["tied_to"] == (["lm_head.weight"] if how == "tied" else [])
     [advice] = httpx.post(f"{base}/anomalies/{dead['id']}/propose", headers=AUTH).json()["fixes"]
-    assert advice["action"] == "advice" and "tied to lm_head.weight" in advice["rationale"]  # nothing to up-weight
+    assert advice["action"] == "advice"  # nothing to up-weight
+    assert ("tied to lm_head.weight" if how == "tied" else "also learns outside its lookups") in advice["rationale"]
     [table] = httpx.get(f"{base}/embeddings", headers=AUTH).json()["tables"]
-    assert table["summary"]["tied_to"] == ["lm_head.weight"] and table["summary"]["dead_ids"] == [36, 37, 38, 39]
+    assert table["summary"]["learns_outside_lookups"] is True and table["summary"]["dead_ids"] == [36, 37, 38, 39]
+    assert table["summary"]["tied_to"] == (["lm_head.weight"] if how == "tied" else [])
     from click.testing import CliRunner
     from diag_server.cli import main
     env = {"TRAINDX_SERVER": server.url, "TRAINDX_TOKEN": server.token}
-    out = CliRunner().invoke(main, ["embeddings", "emb-tied"], env=env, catch_exceptions=False).output
-    assert "wte.weight: never looked up (tied to lm_head.weight, they learn through it): 36, 37, 38, 39" in out
+    out = CliRunner().invoke(main, ["embeddings", run], env=env, catch_exceptions=False).output
+    assert ("wte.weight: never looked up (tied to lm_head.weight, they learn through it): 36, 37, 38, 39" if how == "tied"
+            else "wte.weight: never looked up (the weight learns outside its lookups, they learn there): 36, 37, 38, 39") in out
 
 
 def test_a_recommender_with_the_default_collections_flags_its_toggling_items_and_nothing_else(session_server) -> None:

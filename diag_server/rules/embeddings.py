@@ -198,7 +198,8 @@ class DeadEmbedding(Rule):
                    "times: cold-start ids, ids the data never reaches, or broken negative sampling. A row is "
                    "updated when the model looks it up and it gets a gradient, so a whole-table L2 penalty does "
                    "not hide dead rows; rows gone NaN are non-finite, not dead. In a table tied to another "
-                   "module's parameter (an output projection) such rows still learn through it: an info.")
+                   "module's parameter (an output projection), or whose weight learns outside its lookups (an "
+                   "output matrix, as in a full softmax over its ids), such rows still learn there: an info.")
     kinds = (AnomalyKind.dead_embedding,)
     params = {
         "min_median_touches": Param(10, "measurement here: by the time the median row has 10 updates, every id "
@@ -227,23 +228,33 @@ class DeadEmbedding(Rule):
             lower = len(rare) == len(e.get("rarest") or []) >= LISTED_MAX
             nonfinite = e.get("nonfinite_rows") or 0
             tied = e.get("tied_to") or []
-            # A tied table's rows learn through the tied parameter (as outputs): rows never looked up are ids the
-            # inputs do not hold, not rows that never learn.
-            severity = Severity.warning if fraction >= self.p.warn_fraction and not tied else Severity.info
-            verb = "looked up" if tied else "updated"
+            outside = bool(e.get("learns_outside_lookups"))
+            # A tied table's rows learn through the tied parameter (as outputs), and so do those of a weight used
+            # outside its lookups (rows not looked up had a gradient): rows never looked up are ids the inputs do
+            # not hold, not rows that never learn.
+            learns = bool(tied) or outside
+            severity = Severity.warning if fraction >= self.p.warn_fraction and not learns else Severity.info
+            verb = "looked up" if learns else "updated"
+            if tied:
+                why = (f"The table is tied to {', '.join(repr(t) for t in tied)}, through which these rows still "
+                       "learn (as outputs): ids the inputs never hold, such as vocabulary the data does not use.")
+            elif outside:
+                why = ("Rows not looked up had a gradient: the table's weight also learns outside its lookups (an "
+                       "output matrix, as in a full softmax over its ids, or a functional call), where these rows "
+                       "still learn: ids the inputs never hold, not rows that learn nothing.")
+            else:
+                why = "Cold-start ids, ids missing from the data, or broken negative sampling."
             message = (f"{dead} rows of '{name}' ({100 * fraction:.2g}% of the table) were never or almost never "
                        f"{verb} in {e.get('tracked_steps')} tracked steps, while the median row was {verb} "
-                       f"{median:.0f} times (first: rows {', '.join(str(int(i)) for i in ids[:5])}). "
-                       + (f"The table is tied to {', '.join(repr(t) for t in tied)}, through which these rows still "
-                          "learn (as outputs): ids the inputs never hold, such as vocabulary the data does not use."
-                          if tied else "Cold-start ids, ids missing from the data, or broken negative sampling.")
+                       f"{median:.0f} times (first: rows {', '.join(str(int(i)) for i in ids[:5])}). " + why
                        + (f" {nonfinite} rows hold NaN/Inf: those are non-finite, not dead." if nonfinite else ""))
             out.append(Finding(
                 AnomalyKind.dead_embedding, severity, step, key=name, tensors=[name], message=message,
                 evidence={"table": name, "rows": ids[:EVIDENCE_ROWS], "dead_rows": dead, "never_updated": never,
                           "rare_rows": len(rare), "fraction": fraction, "fraction_is_lower_bound": lower,
                           "table_rows": e.get("rows"), "median_touches": median,
-                          "tracked_steps": e.get("tracked_steps"), "nonfinite_rows": nonfinite, "tied_to": tied}))
+                          "tracked_steps": e.get("tracked_steps"), "nonfinite_rows": nonfinite, "tied_to": tied,
+                          "learns_outside_lookups": outside}))
         return out
 
 

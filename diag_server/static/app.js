@@ -226,7 +226,8 @@ function embeddingTables(tables) {
     const s = t.summary;
     const worst = s.zombies.map((z) => `${z.row}: ${fmt(z.noise)}, ${fmt(z.consistency)}`).join(" · ");
     const name = (t.rank ? `${t.name} (rank ${t.rank})` : t.name)
-      + (s.tied_to.length ? ` · tied to ${s.tied_to.join(", ")}` : "");
+      + (s.tied_to.length ? ` · tied to ${s.tied_to.join(", ")}`
+        : s.learns_outside_lookups ? " · learns outside its lookups" : "");
     return el("tr", { "data-table": t.name, "data-rank": String(t.rank) },
       ...[name, t.step, s.rows, s.touched_rows, s.never_updated,
           s.nonfinite_rows, s.median_touches, s.score_spread, s.effective_rank, s.mean_cosine, worst || "-"]
