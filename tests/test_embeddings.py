@@ -1037,9 +1037,29 @@ def test_rows_of_a_tied_table_never_looked_up_are_said_to_learn_through_the_tie(
     elif how == "output":
         assert found.severity == Severity.info and found.evidence["tied_to"] == []
         assert "learns outside its lookups" in found.message and "never or almost never looked up" in found.message
-    else:
-        assert found.severity == Severity.warning and "never or almost never updated" in found.message
+    else:  # the vocabulary's last ids: a table sized past the data's ids (a non-suffix is a warning: above)
+        assert found.severity == Severity.info and "never or almost never updated" in found.message
+        assert found.evidence["past_data_range"] and "the table's last ids (30-39)" in found.message
     assert (embedding_scale_params(found.kind, {**found.evidence, "rare_rows": 1}) is None) == learns
+
+
+@pytest.mark.parametrize("unused", ["last", "middle"])
+def test_rows_never_updated_that_are_the_tables_last_ids_are_a_table_sized_past_the_data(unused: str, path: str) -> None:
+    # A position table of 32 rows fed sequences of 24 (or a vocabulary padded to a round size): its last 8
+    # rows are never looked up, by design: an info. The same 8 rows in the middle of the ids: a warning.
+    torch.manual_seed(0)
+    model = Toy(rows=32, dim=4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    probe, sink = attach(model, opt, interval=20)
+    used = torch.tensor([i for i in range(32) if not (24 <= i if unused == "last" else 10 <= i < 18)])
+    train(model, probe, 61, ids=used, opt=opt)
+    probe.close()
+    [found] = DeadEmbedding().observe({}, obs_of(sink))
+    assert found.evidence["never_updated"] == 8 and found.evidence["past_data_range"] == (unused == "last")
+    if unused == "last":
+        assert found.severity == Severity.info and "the table's last ids (24-31)" in found.message
+    else:
+        assert found.severity == Severity.warning and "Cold-start ids" in found.message
 
 
 def test_dead_rule_waits_for_enough_updates_and_spares_a_healthy_table() -> None:

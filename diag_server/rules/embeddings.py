@@ -199,7 +199,9 @@ class DeadEmbedding(Rule):
                    "updated when the model looks it up and it gets a gradient, so a whole-table L2 penalty does "
                    "not hide dead rows; rows gone NaN are non-finite, not dead. In a table tied to another "
                    "module's parameter (an output projection), or whose weight learns outside its lookups (an "
-                   "output matrix, as in a full softmax over its ids), such rows still learn there: an info.")
+                   "output matrix, as in a full softmax over its ids), such rows still learn there: an info. So is "
+                   "a table whose rows never updated are exactly its last ids (positions past the longest "
+                   "sequence, a vocabulary padded to a round size): it is sized past the ids the data holds.")
     kinds = (AnomalyKind.dead_embedding,)
     params = {
         "min_median_touches": Param(10, "measurement here: by the time the median row has 10 updates, every id "
@@ -229,11 +231,15 @@ class DeadEmbedding(Rule):
             nonfinite = e.get("nonfinite_rows") or 0
             tied = e.get("tied_to") or []
             outside = bool(e.get("learns_outside_lookups"))
+            # The rows never updated are exactly the table's last ids (the report lists them lowest first, so
+            # the first is where they start): a table sized past the ids the data holds, by design.
+            listed = e.get("dead_ids") or []
+            past = not rare and bool(listed) and int(listed[0]) == rows - never
             # A tied table's rows learn through the tied parameter (as outputs), and so do those of a weight used
             # outside its lookups (rows not looked up had a gradient): rows never looked up are ids the inputs do
             # not hold, not rows that never learn.
             learns = bool(tied) or outside
-            severity = Severity.warning if fraction >= self.p.warn_fraction and not learns else Severity.info
+            severity = Severity.warning if fraction >= self.p.warn_fraction and not (learns or past) else Severity.info
             verb = "looked up" if learns else "updated"
             if tied:
                 why = (f"The table is tied to {', '.join(repr(t) for t in tied)}, through which these rows still "
@@ -242,6 +248,11 @@ class DeadEmbedding(Rule):
                 why = ("Rows not looked up had a gradient: the table's weight also learns outside its lookups (an "
                        "output matrix, as in a full softmax over its ids, or a functional call), where these rows "
                        "still learn: ids the inputs never hold, not rows that learn nothing.")
+            elif past:
+                why = (f"They are the table's last ids ({rows - never}-{rows - 1}), none below them: the table is "
+                       "sized past the ids the data holds (positions beyond the longest sequence, a vocabulary padded "
+                       "to a round size, ids added after the data was made). Nothing to fix unless ids in that "
+                       "range should occur.")
             else:
                 why = "Cold-start ids, ids missing from the data, or broken negative sampling."
             message = (f"{dead} rows of '{name}' ({100 * fraction:.2g}% of the table) were never or almost never "
@@ -254,7 +265,7 @@ class DeadEmbedding(Rule):
                           "rare_rows": len(rare), "fraction": fraction, "fraction_is_lower_bound": lower,
                           "table_rows": e.get("rows"), "median_touches": median,
                           "tracked_steps": e.get("tracked_steps"), "nonfinite_rows": nonfinite, "tied_to": tied,
-                          "learns_outside_lookups": outside}))
+                          "learns_outside_lookups": outside, "past_data_range": past}))
         return out
 
 
