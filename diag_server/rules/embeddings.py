@@ -249,13 +249,15 @@ class DeadEmbedding(Rule):
                        "output matrix, as in a full softmax over its ids, or a functional call), where these rows "
                        "still learn: ids the inputs never hold, not rows that learn nothing.")
             elif past:
-                why = (f"They are the table's last ids ({rows - never}-{rows - 1}), none below them: the table is "
+                span = f"{rows - 1}" if never == 1 else f"{rows - never}-{rows - 1}"
+                why = (f"They are the table's last {'id' if never == 1 else 'ids'} ({span}), none below: the table is "
                        "sized past the ids the data holds (positions beyond the longest sequence, a vocabulary padded "
                        "to a round size, ids added after the data was made). Nothing to fix unless ids in that "
                        "range should occur.")
             else:
                 why = "Cold-start ids, ids missing from the data, or broken negative sampling."
-            message = (f"{dead} rows of '{name}' ({100 * fraction:.2g}% of the table) were never or almost never "
+            message = (f"{dead} {'row' if dead == 1 else 'rows'} of '{name}' ({100 * fraction:.2g}% of the table) "
+                       f"{'was' if dead == 1 else 'were'} never or almost never "
                        f"{verb} in {e.get('tracked_steps')} tracked steps, while the median row was {verb} "
                        f"{median:.0f} times (first: rows {', '.join(str(int(i)) for i in ids[:5])}). " + why
                        + (f" {nonfinite} rows hold NaN/Inf: those are non-finite, not dead." if nonfinite else ""))
