@@ -122,6 +122,10 @@ WORKER_IDLE_S = 30.0
 # |cos| between a row's gradient and the row at or above which the gradient pulls the row along itself (a
 # penalty on its norm, as an L2 term in the loss), not towards anything it learns (_look_outside).
 PARALLEL_COS = 0.99
+# Tracked steps a table is checked for learning outside its lookups (_look_outside), at most: an output
+# matrix gives every row a gradient at every step, so the first check tells; each costs ~0.15 ms of torch
+# operations a table (on ML-100k's four, every report, ~1% of the step time).
+OUTSIDE_CHECKS = 4
 
 
 def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, list[torch.nn.Module]]]:
@@ -217,9 +221,11 @@ class TableState:
         # Whether the weight learns outside the table's lookups (an output matrix, as in a full softmax over
         # its ids, or a functional call): rows not looked up in a step then have a gradient, and a row never
         # looked up is not one that never learns. Checked at the first tracked step after a report that
-        # listed never or rarely updated rows (_look_outside), said by the report after it; once seen, kept.
+        # listed never or rarely updated rows (_look_outside; OUTSIDE_CHECKS times at most), said by the report
+        # after it; once seen, kept.
         self.outside = False
         self._check_outside = False
+        self._checks_left = OUTSIDE_CHECKS
         self._outside_seen: torch.Tensor | None = None  # the check's verdict, on the table's device
         self.occ_median = torch.tensor(float("nan"), device=dev)
         self.touch_median = torch.tensor(float("nan"), device=dev)
@@ -377,6 +383,7 @@ class TableState:
             ids = lookups[0] if len(lookups) == 1 else torch.cat([x.reshape(-1) for x in lookups])
             cand = cand[~torch.isin(cand, ids.reshape(-1).to(cand.device))]
         if cand.numel():
+            self._checks_left -= 1
             g = grad.index_select(0, cand).double()  # float64: a decayed row's (1e-20) products stay normal
             w = self.weight.detach().index_select(0, cand).double()
             # A penalty on the rows' norms (an L2 term in the loss) pulls each row along itself: that is not
@@ -389,10 +396,11 @@ class TableState:
 
     def _outside_flag(self) -> torch.Tensor | None:
         """The check's verdict since the last report (a bool tensor; None: not checked), and whether the next
-        tracked step checks: while the weight is not known to learn outside its lookups and the report lists
-        rows never or rarely updated."""
+        tracked step checks: while the weight is not known to learn outside its lookups, the report lists
+        rows never or rarely updated, and fewer than OUTSIDE_CHECKS checks have read rows."""
         seen, self._outside_seen = self._outside_seen, None
-        self._check_outside = not self.outside and bool(self.dead_ids.numel() or self.rare_ids.numel())
+        self._check_outside = (not self.outside and self._checks_left > 0
+                               and bool(self.dead_ids.numel() or self.rare_ids.numel()))
         return seen
 
     def _native_pre(self, ids: torch.Tensor, grad: torch.Tensor, entries: tuple | None,
