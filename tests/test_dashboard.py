@@ -182,30 +182,21 @@ def test_a_recommender_run_shows_its_embedding_tables(live, browser) -> None:
     assert sorted(int(z.split(":")[0]) for z in cells[-1].split(" · ")[:3]) == [3, 17, 29]
     assert page.locator("#embeddings-panel").is_visible() and errors == []
 
-    # A language model whose output projection is its token table: the table says what it is tied to.
+    # A language model whose output projection is its token table (tied, or the table itself used as the
+    # output matrix): the table says what it is tied to, or that it learns outside its lookups.
     from tests.test_embeddings import TinyLM, train_lm
-    model = TinyLM(40, tie=True)
-    probe = probes.attach(model, torch.optim.Adam(model.parameters(), lr=0.01), server=srv.url, run="dash-tied",
-                          token=PEOPLE_TOKEN, collections={"embeddings": 20})
-    train_lm(model, probe, 21, inputs=36)
-    assert probe.flush()
-    probe.close()
-    page.goto(f"{srv.url}/runs/dash-tied")
-    row = page.locator("#embeddings tbody tr[data-table='wte.weight']")
-    row.wait_for(timeout=WAIT_MS)
-    assert row.locator("td").first.inner_text() == "wte.weight · tied to lm_head.weight" and errors == []
-
-    # The token table itself as the output matrix (no tie between modules): it learns outside its lookups.
-    model = TinyLM(40, tie=False, output=True)
-    probe = probes.attach(model, torch.optim.Adam(model.parameters(), lr=0.01), server=srv.url, run="dash-output",
-                          token=PEOPLE_TOKEN, collections={"embeddings": 20})
-    train_lm(model, probe, 21, inputs=36)
-    assert probe.flush()
-    probe.close()
-    page.goto(f"{srv.url}/runs/dash-output")
-    row = page.locator("#embeddings tbody tr[data-table='wte.weight']")
-    row.wait_for(timeout=WAIT_MS)
-    assert row.locator("td").first.inner_text() == "wte.weight · learns outside its lookups" and errors == []
+    for run, tie, shown in (("dash-tied", True, "wte.weight · tied to lm_head.weight"),
+                            ("dash-output", False, "wte.weight · learns outside its lookups")):
+        model = TinyLM(40, tie=tie, output=not tie)
+        probe = probes.attach(model, torch.optim.Adam(model.parameters(), lr=0.01), server=srv.url, run=run,
+                              token=PEOPLE_TOKEN, collections={"embeddings": 20})
+        train_lm(model, probe, 21, inputs=36)
+        assert probe.flush()
+        probe.close()
+        page.goto(f"{srv.url}/runs/{run}")
+        row = page.locator("#embeddings tbody tr[data-table='wte.weight']")
+        row.wait_for(timeout=WAIT_MS)
+        assert row.locator("td").first.inner_text() == shown and errors == []
     page.close()
 
 
