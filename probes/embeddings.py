@@ -379,9 +379,6 @@ class TableState:
         if grad.is_sparse:
             return
         cand = torch.cat([self.dead_ids, self.rare_ids])
-        if lookups:
-            ids = lookups[0] if len(lookups) == 1 else torch.cat([x.reshape(-1) for x in lookups])
-            cand = cand[~torch.isin(cand, ids.reshape(-1).to(cand.device))]
         if cand.numel():
             self._checks_left -= 1
             g = grad.index_select(0, cand).double()  # float64: a decayed row's (1e-20) products stay normal
@@ -391,7 +388,11 @@ class TableState:
             # along itself: only a zero row's gradient tells there.)
             dot, norms = (g * w).sum(dim=1).abs(), g.norm(dim=1) * w.norm(dim=1)
             along = (norms > 0) & (dot >= PARALLEL_COS * norms)
-            seen = ((g != 0).any(dim=1) & torch.isfinite(g).all(dim=1) & ~along).any()
+            learns = (g != 0).any(dim=1) & torch.isfinite(g).all(dim=1) & ~along
+            if lookups:  # rows this step looked up have a gradient of their own (a mask: no host read)
+                ids = lookups[0] if len(lookups) == 1 else torch.cat([x.reshape(-1) for x in lookups])
+                learns &= ~torch.isin(cand, ids.reshape(-1).to(cand.device))
+            seen = learns.any()
             self._outside_seen = seen if self._outside_seen is None else self._outside_seen | seen
 
     def _outside_flag(self) -> torch.Tensor | None:
