@@ -122,6 +122,10 @@ WORKER_IDLE_S = 30.0
 # |cos| between a row's gradient and the row at or above which the gradient pulls the row along itself (a
 # penalty on its norm, as an L2 term in the loss), not towards anything it learns (_look_outside).
 PARALLEL_COS = 0.99
+# The share of the memory free on a table's device (at attach) that its statistics may take: a larger table
+# is left out, and the run says so. At 105 bytes a row (below), a 40M-row table needs ~4.2 GB: attaching the
+# probe must not run the job out of memory, then or later, when its own allocations grow.
+MAX_STATE_SHARE = 0.25
 # Tracked steps a table is checked for learning outside its lookups (_look_outside), at most: an output
 # matrix gives every row a gradient at every step, so the first check tells; each costs ~0.15 ms of torch
 # operations a table (on ML-100k's four, every report, ~1% of the step time).
@@ -138,6 +142,31 @@ def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, l
                 seen[key] = (f"{name}.weight" if name else "weight", m.weight, [])
             seen[key][2].append(m)
     return list(seen.values())
+
+
+def state_bytes_of(rows: int, dim: int, sketch_dim: int = SKETCH_DIM) -> int:
+    """What TableState keeps for a table: 8 + 2k float32 a row, and 9 bytes a row for the window."""
+    return rows * (4 * (8 + 2 * min(sketch_dim, dim)) + 9)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free on ``device``: a CUDA device's, or the host's available memory (Linux); None where it
+    cannot be read."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        if device.type == "cpu":
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+    except (OSError, RuntimeError, ValueError):
+        pass
+    return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 2**30:.2g} GB" if n >= 2**28 else f"{n / 2**20:.3g} MB"
 
 
 def tied_to(model: torch.nn.Module, weight: torch.nn.Parameter) -> tuple[str, ...]:
@@ -1123,12 +1152,27 @@ class Embeddings(Collection):
         # A table sharded across ranks (FSDP2's DTensor) is looked up whole in the forward and its gradient
         # lands in shards: its rows' statistics would need the other ranks' shards. Left out, and said so.
         left_out = [n for n, w, _ in found if sharded(w)]
-        self.note = (f"embeddings: {', '.join(left_out)} {'is' if len(left_out) == 1 else 'are'} sharded across "
-                     "ranks (FSDP2); per-row statistics need a whole table on one rank, so "
-                     f"{'it is' if len(left_out) == 1 else 'they are'} not tracked (leave the table out of "
-                     "fully_shard to track it)") if left_out else None
-        self.tables = [TableState(n, w, mods, seed=i, tied=tied_to(probe.model, w))
-                       for i, (n, w, mods) in enumerate(found) if n not in left_out]
+        notes = [f"embeddings: {', '.join(left_out)} {'is' if len(left_out) == 1 else 'are'} sharded across "
+                 "ranks (FSDP2); per-row statistics need a whole table on one rank, so "
+                 f"{'it is' if len(left_out) == 1 else 'they are'} not tracked (leave the table out of "
+                 "fully_shard to track it)"] if left_out else []
+        # A table whose statistics would take more than MAX_STATE_SHARE of its device's free memory is left
+        # out, as is one whose statistics fail to allocate: the job runs on, and the run says which.
+        self.tables = []
+        for i, (n, w, mods) in enumerate(found):
+            if n in left_out:
+                continue
+            need, free = state_bytes_of(*w.shape), free_bytes(w.device)
+            if free is not None and need > MAX_STATE_SHARE * free:
+                notes.append(f"embeddings: {n} is not tracked: its per-row statistics would take {_gb(need)}, more "
+                             f"than {MAX_STATE_SHARE:.0%} of the {_gb(free)} free on {w.device}")
+                continue
+            try:
+                self.tables.append(TableState(n, w, mods, seed=i, tied=tied_to(probe.model, w)))
+            except torch.cuda.OutOfMemoryError:  # (torch.OutOfMemoryError from 2.5; this name from 1.13)
+                notes.append(f"embeddings: {n} is not tracked: its per-row statistics ({_gb(need)}) did not fit "
+                             f"on {w.device}")
+        self.note = "; ".join(notes) or None
         self._handles: list[Any] = []
         self._queues: list[TableState] = []  # the queued path's tables (see quiet())
         self._step = 0

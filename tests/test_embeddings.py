@@ -1661,3 +1661,47 @@ def test_a_table_sharded_with_fsdp2_is_left_out_and_the_run_says_why():
     assert out["tables"] == ["user.weight"]
     assert any("embeddings: item.weight is sharded across ranks (FSDP2)" in m for m in out["messages"]), out
     assert not [m for m in out["messages"] if "probe error" in m]
+
+
+def test_a_table_whose_statistics_would_not_fit_is_left_out_and_the_run_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-row statistics take ~105 bytes a row (a 40M-row table: ~4 GB). Attaching the probe must not run the
+    job out of memory: a table past MAX_STATE_SHARE of its device's free memory is left out, as is one whose
+    statistics fail to allocate; the others are tracked, the job trains on, and the run says which and why."""
+    class Rec(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.user, self.item, self.tag = (torch.nn.Embedding(n, 8) for n in (20, 400, 30))
+
+        def forward(self, u: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+            return (self.user(u) * (self.item(i) + self.tag(u % 30))).sum(1)
+
+    assert probes.embeddings.state_bytes_of(400, 8) == 400 * (4 * 24 + 9)
+    assert probes.embeddings.free_bytes(torch.device("cpu")) > 0  # the host's, from /proc/meminfo
+    # 400 rows need 42,000 bytes: past a quarter of 100,000 free; 20 and 30 rows are not
+    monkeypatch.setattr(probes.embeddings, "free_bytes", lambda device: 100_000)
+    real = TableState.__init__
+
+    def failing(self, name, *args, **kwargs) -> None:
+        if name == "tag.weight":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test's)")
+        real(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(TableState, "__init__", failing)
+    torch.manual_seed(0)
+    model = Rec()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    probe, sink = attach(model, opt, interval=5)
+    for _ in range(11):
+        u, i = torch.randint(0, 20, (16,)), torch.randint(0, 400, (16,))
+        loss = ((model(u, i) - 1.0) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+    probe.close()
+    assert sorted({row["name"] for _, row in summaries(sink)}) == ["user.weight"]
+    assert summaries(sink)[-1][1]["embedding"]["tracked_steps"] == 11
+    [message] = [e["text"] for b in sink.batches for e in b["events"] if e["kind"] == "message"]
+    assert message == ("embeddings: item.weight is not tracked: its per-row statistics would take 0.0401 MB, more "
+                       "than 25% of the 0.0954 MB free on cpu; embeddings: tag.weight is not tracked: its per-row "
+                       "statistics (0.003 MB) did not fit on cpu")
