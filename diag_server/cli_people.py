@@ -218,10 +218,13 @@ def register(main: click.Group) -> None:
                 if t.summary.dead_ids:
                     shown = ", ".join(str(i) for i in t.summary.dead_ids)
                     more = t.summary.never_updated - len(t.summary.dead_ids)
+                    last = t.summary.dead_ids[0] == t.summary.rows - t.summary.never_updated  # as dead_embedding
                     what = (f"never looked up (tied to {', '.join(t.summary.tied_to)}, they learn through it)"
                             if t.summary.tied_to else
                             "never looked up (the weight learns outside its lookups, they learn there)"
-                            if t.summary.learns_outside_lookups else "never updated")
+                            if t.summary.learns_outside_lookups else
+                            "never updated (the table's last ids: it is sized past the data's)" if last else
+                            "never updated")
                     out += ["", f"{t.name}: {what}: {shown}" + (f" (+{more} more)" if more > 0 else "")]
             return "\n".join(out)
 

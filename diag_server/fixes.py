@@ -214,6 +214,17 @@ def _embedding(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
              "matrix, as in a full softmax over its ids): its rows never looked up still learn there")
             + ", so they are unused ids, not rows that learn nothing; up-weighting their gradient would only "
             "push those outputs harder.", "None needed for unused ids.", "low", live=False)]
+    if params is None and a.kind == AnomalyKind.dead_embedding and a.evidence.get("past_data_range"):
+        table, rows, never = a.evidence.get("table"), a.evidence.get("table_rows"), a.evidence.get("never_updated")
+        span = f"{rows - never}-{rows - 1}" if isinstance(rows, int) and isinstance(never, int) else "at its end"
+        return [Candidate(
+            FixAction.advice, {"instructions": f"Nothing to apply if ids {span} of '{table}' are meant to be absent "
+                               "(positions past the longest sequence, a vocabulary padded to a round size): the rows "
+                               "cost memory only. If they should occur, check the range of ids the data pipeline "
+                               "produces (a maximum length, an id mapping built on part of the data)."},
+            f"The rows of '{table}' never updated are exactly its last ids ({span}): the table is sized past the ids "
+            "the data holds. No gradient reaches them, so no scaling can make them learn.",
+            "None needed for ids the data does not hold.", "low", live=False)]
     if params is None:
         return []
     if a.kind == AnomalyKind.zombie_embedding:

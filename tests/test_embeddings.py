@@ -1451,11 +1451,12 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
         assert db.execute("SELECT count(*) FROM embedding_tables WHERE run='emb-e2e'").fetchone() == (0,)
 
 
-@pytest.mark.parametrize("how", ["tied", "output"])
+@pytest.mark.parametrize("how", ["tied", "output", "untied"])
 def test_a_tied_table_through_a_real_server(server, how: str) -> None:
-    """What a person reads of a language model whose output projection is its token table (tied, or the table
-    used as the output matrix), and whose data never holds a tenth of the vocabulary: an info saying the rows
-    learn as outputs, no fix to apply."""
+    """What a person reads of a language model whose data never holds the last tenth of the vocabulary: with
+    the output projection its token table (tied, or the table used as the output matrix), an info saying the
+    rows learn as outputs; untied, an info saying the table is sized past the data's ids. Advice either way:
+    no fix to apply."""
     torch.manual_seed(0)
     model = TinyLM(40, tie=how == "tied", output=how == "output")
     run = f"emb-{how}"
@@ -1465,22 +1466,27 @@ def test_a_tied_table_through_a_real_server(server, how: str) -> None:
     assert probe.flush()
     probe.close()
     base = f"{server.url}/v1/runs/{run}"
+    learns = how != "untied"
     [dead] = [a for a in httpx.get(f"{base}/anomalies", headers=AUTH).json()["anomalies"]
               if a["kind"] == "dead_embedding"]
-    assert dead["severity"] == "info" and dead["evidence"]["learns_outside_lookups"] is True
+    assert dead["severity"] == "info" and dead["evidence"]["learns_outside_lookups"] is learns
     assert dead["evidence"]["tied_to"] == (["lm_head.weight"] if how == "tied" else [])
+    assert dead["evidence"]["past_data_range"] is True  # rows 36-39: the vocabulary's last ids
     [advice] = httpx.post(f"{base}/anomalies/{dead['id']}/propose", headers=AUTH).json()["fixes"]
     assert advice["action"] == "advice"  # nothing to up-weight
-    assert ("tied to lm_head.weight" if how == "tied" else "also learns outside its lookups") in advice["rationale"]
+    assert {"tied": "tied to lm_head.weight", "output": "also learns outside its lookups",
+            "untied": "exactly its last ids (36-39)"}[how] in advice["rationale"]
     [table] = httpx.get(f"{base}/embeddings", headers=AUTH).json()["tables"]
-    assert table["summary"]["learns_outside_lookups"] is True and table["summary"]["dead_ids"] == [36, 37, 38, 39]
+    assert table["summary"]["learns_outside_lookups"] is learns and table["summary"]["dead_ids"] == [36, 37, 38, 39]
     assert table["summary"]["tied_to"] == (["lm_head.weight"] if how == "tied" else [])
     from click.testing import CliRunner
     from diag_server.cli import main
     env = {"TRAINDX_SERVER": server.url, "TRAINDX_TOKEN": server.token}
     out = CliRunner().invoke(main, ["embeddings", run], env=env, catch_exceptions=False).output
-    assert ("wte.weight: never looked up (tied to lm_head.weight, they learn through it): 36, 37, 38, 39" if how == "tied"
-            else "wte.weight: never looked up (the weight learns outside its lookups, they learn there): 36, 37, 38, 39") in out
+    what = {"tied": "never looked up (tied to lm_head.weight, they learn through it)",
+            "output": "never looked up (the weight learns outside its lookups, they learn there)",
+            "untied": "never updated (the table's last ids: it is sized past the data's)"}[how]
+    assert f"wte.weight: {what}: 36, 37, 38, 39" in out
 
 
 def test_a_recommender_with_the_default_collections_flags_its_toggling_items_and_nothing_else(session_server) -> None:
