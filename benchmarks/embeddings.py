@@ -248,11 +248,14 @@ def _last(watch: Watch, kind: AnomalyKind, table: str, standing: bool | None = N
     return fs[-1] if fs else None
 
 
-def flagged(watch: Watch, kind: AnomalyKind, table: str) -> set[int]:
+def flagged(watch: Watch, kind: AnomalyKind, table: str, in_run: bool = False) -> set[int]:
     """The rows the rule's last warning on ``table`` named (an info, a dead_embedding on rows that learn as
-    outputs, names none)."""
+    outputs, names none); ``in_run``: every row a zombie warning on it has named in the run (the last
+    warning's ``rows_named_in_run``)."""
     f = _last(watch, kind, table, standing=True)
-    return {int(x) for x in f.evidence["rows"]} if f and f.severity != Severity.info else set()
+    if not f or f.severity == Severity.info:
+        return set()
+    return {int(x) for x in f.evidence["rows_named_in_run" if in_run else "rows"]}
 
 
 def tail_rows(watch: Watch, table: str) -> int:
@@ -286,21 +289,22 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
             return r
 
         run = train(d, regime, seed, epochs, probe_on=True, targets=toggling) if "a" in cases else None
-        found = set() if run is None else flagged(run["watch"], AnomalyKind.zombie_embedding, "item.weight")
-        if run is not None:
+        for in_run in (False, True) if run is not None else ():
             zombie = AnomalyKind.zombie_embedding
-            fb = flagged(run["watch"], zombie, "item_bias.weight")
-            fu = flagged(run["watch"], zombie, "user.weight") | flagged(run["watch"], zombie, "user_bias.weight")
+            found, fb = (flagged(run["watch"], zombie, t, in_run) for t in ("item.weight", "item_bias.weight"))
+            fu = flagged(run["watch"], zombie, "user.weight", in_run) | flagged(run["watch"], zombie, "user_bias.weight", in_run)
             cells = [f"{label} precision {pr(f, zset)[0]:.2f} recall {pr(f, zset)[1]:.2f} ({len(f)} flagged)"
                  for label, f in (("item.weight", found), ("item_bias.weight", fb), ("either item table", found | fb))]
-            print(f"seed {seed} (a) toggling zombies: " + "; ".join(cells) + f"; user rows flagged: {len(fu)}")
+            print(f"seed {seed} (a) toggling zombies, {'rows named in the run' if in_run else 'the last warning'}: "
+                  + "; ".join(cells) + f"; user rows flagged: {len(fu)}")
 
         # (h) the same run without a fault: what the zombie rule says of healthy tables.
         run = train(d, regime, seed, epochs, probe_on=True) if "h" in cases else None
         if run is not None:
             w = run["watch"]
-            print(f"seed {seed} (h) unplanted: zombie rows named by a warning "
-                  + ", ".join(f"{t} {len(flagged(w, AnomalyKind.zombie_embedding, t))}" for t in TABLES)
+            print(f"seed {seed} (h) unplanted: zombie rows named by the last warning (in the run) "
+                  + ", ".join(f"{t} {len(flagged(w, AnomalyKind.zombie_embedding, t))} "
+                              f"({len(flagged(w, AnomalyKind.zombie_embedding, t, True))})" for t in TABLES)
                   + "; as the table's tail (info) " + ", ".join(f"{t} {tail_rows(w, t)}" for t in TABLES))
 
         # (b) 50 items (>= 20 training ratings, not the top 100) whose ratings flip for half of the users.

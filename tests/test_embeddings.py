@@ -1134,7 +1134,10 @@ def test_zombie_rule_fires_on_rows_past_its_thresholds_in_consecutive_reports_on
     assert see(report(500, {6, 7, 8})) == []
     both = report(600, {6, 7, 8})  # two reports in one batch count as two
     both.stats["embeddings"].update(report(700, {6, 7, 8}).stats["embeddings"])
-    assert [sorted(f.evidence["rows"]) for f in see(both)] == [[6, 7, 8]]
+    [found] = see(both)
+    assert sorted(found.evidence["rows"]) == [6, 7, 8]
+    # every row a warning on the table has named in the run, lowest id first: what the fault has shown so far
+    assert found.evidence["rows_named_in_run"] == [2, 3, 4, 6, 7, 8] and found.evidence["rows_named_in_run_count"] == 6
     assert ZombieEmbedding(reports=1).observe({}, report(100, {1, 2, 3}))  # reports=1: one report is enough
 
 

@@ -18,6 +18,7 @@ from schemas.enums import AnomalyKind, Severity
 from .base import Finding, Observations, Param, Rule
 
 EVIDENCE_ROWS = 256  # row ids named in evidence, worst first
+NAMED_KEPT = 1024  # row ids a table's zombie warnings have named in the run, kept in the rule's state
 LISTED_MAX = 256  # the most rows the probe lists of a kind (probes/embeddings.py TOP_ROWS): a full list may be cut
 
 
@@ -127,8 +128,11 @@ class ZombieEmbedding(Rule):
                 and r["touches"] >= self.p.min_touch_ratio * median]
 
     def observe(self, state: dict, obs: Observations) -> list[Finding]:
-        # Per table, the qualifying row ids of its last reports (state: JSON-able, kept across batches).
+        # Per table, the qualifying row ids of its last reports (state: JSON-able, kept across batches), and
+        # every row a warning has named in the run: a zombie's statistics hover about the thresholds, so the
+        # rows one report names are not all the rows the fault has shown.
         recent: dict[str, list[list[int]]] = state.setdefault("recent", {})
+        named: dict[str, list[int]] = state.setdefault("named", {})
         keep = max(int(self.p.reports) - 1, 0)
         latest: dict[str, tuple[int, dict, list[dict], int]] = {}  # the report, its confirmed and qualifying rows
         for step, name, e in _tables(obs):
@@ -174,6 +178,9 @@ class ZombieEmbedding(Rule):
                            "A table whose noisiest rows learn nothing has started fitting noise: if the validation "
                            "loss rises, damping them (embedding_grad_scale over the table) helps.")
             ids = [float(r["row"]) for r in bad[:EVIDENCE_ROWS]]
+            so_far = named.get(name, [])
+            if zombies:
+                so_far = named[name] = sorted(set(so_far) | {int(r["row"]) for r in bad})[:NAMED_KEPT]
             out.append(Finding(
                 AnomalyKind.zombie_embedding, severity, step, key=name, tensors=[name], message=message,
                 evidence={"table": name, "rows": ids, "zombie_rows": len(bad), "fraction": fraction,
@@ -188,6 +195,8 @@ class ZombieEmbedding(Rule):
                           "min_noise": self.p.min_noise, "least_noise": least, "noise_spread": e.get("noise_spread"),
                           "score_median": e.get("score_median"), "score_spread": e.get("score_spread"),
                           "expected_by_chance": chance, "max_chance": self.p.max_chance,
+                          "rows_named_in_run": [float(r) for r in so_far[:EVIDENCE_ROWS]],
+                          "rows_named_in_run_count": len(so_far),
                           "max_consistency": self.p.max_consistency, "max_snr": self.p.max_snr}))
         return out
 
