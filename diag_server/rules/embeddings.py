@@ -169,8 +169,10 @@ class ZombieEmbedding(Rule):
                 message = (f"{count} are updated often but learn nothing: {pulls}"
                            + (f"; the table's spread of zombie scores gives {chance:.2g} rows as far out as the least "
                               "of them by chance" if chance is not None else "")
-                           + ". Look for conflicting targets for these ids, or damp their updates "
-                             "(embedding_grad_scale).")
+                           + ". Look for conflicting targets for these ids (labels that disagree, a broken join), "
+                             "or a step too large for these rows (an adaptive optimizer's normalised step overshoots "
+                             "on rows it updates rarely: a lower learning rate for the table); damping their updates "
+                             "(embedding_grad_scale) helps either way.")
             else:  # as many as the table's spread gives: its tail, not ids of their own
                 severity = Severity.info
                 message = (f"{count} learn nothing: {pulls}. A table of this spread of zombie scores has "
