@@ -1162,6 +1162,11 @@ class Embeddings(Collection):
         for i, (n, w, mods) in enumerate(found):
             if n in left_out:
                 continue
+            if w.device.type == "meta":  # deferred initialisation: its statistics would stay on meta
+                notes.append(f"embeddings: {n} is not tracked: it is on the meta device (not yet materialised) "
+                             "when the probe attaches; attach the probe after to_empty() and the weights' "
+                             "initialisation to track it")
+                continue
             need, free = state_bytes_of(*w.shape), free_bytes(w.device)
             if free is not None and need > MAX_STATE_SHARE * free:
                 notes.append(f"embeddings: {n} is not tracked: its per-row statistics would take {_gb(need)}, more "

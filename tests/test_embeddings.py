@@ -1714,3 +1714,27 @@ def test_a_table_whose_statistics_would_not_fit_is_left_out_and_the_run_says_why
     assert message == ("embeddings: item.weight is not tracked: its per-row statistics would take 0.0401 MB, more "
                        "than 25% of the 0.0954 MB free on cpu; embeddings: tag.weight is not tracked: its per-row "
                        "statistics (0.003 MB) did not fit on cpu")
+
+
+def test_a_table_on_the_meta_device_at_attach_is_left_out_and_the_run_says_why() -> None:
+    """Deferred initialisation (a model built on the meta device, materialised with to_empty() later): its
+    statistics would stay on meta and every report would fail. Left out with a message that says what to do;
+    the job trains on, and nothing else degrades."""
+    with torch.device("meta"):
+        model = torch.nn.ModuleDict({"deferred": torch.nn.Embedding(100, 8)})
+    model["real"] = torch.nn.Embedding(50, 8)
+    probe, sink = attach(model, None, interval=5)
+    model.to_empty(device="cpu")
+    torch.nn.init.normal_(model["deferred"].weight)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe.optimizer = opt
+    for _ in range(11):
+        loss = model["deferred"](torch.randint(0, 100, (16,))).pow(2).mean() + model["real"](torch.randint(0, 50, (16,))).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+    probe.close()
+    assert sorted({row["name"] for _, row in summaries(sink)}) == ["real.weight"]
+    [message] = [e["text"] for b in sink.batches for e in b["events"] if e["kind"] == "message"]
+    assert message.startswith("embeddings: deferred.weight is not tracked: it is on the meta device")
