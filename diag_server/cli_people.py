@@ -15,6 +15,7 @@ import click
 from schemas.events import MAX_EMBEDDING_ROWS
 
 from .client import DEFAULT_SERVER, Client, TraindxError
+from .rules.embeddings import unused_tail
 
 
 def _fmt(value: Any) -> str:
@@ -218,7 +219,7 @@ def register(main: click.Group) -> None:
                 if t.summary.dead_ids:
                     shown = ", ".join(str(i) for i in t.summary.dead_ids)
                     more = t.summary.never_updated - len(t.summary.dead_ids)
-                    last = t.summary.dead_ids[0] == t.summary.rows - t.summary.never_updated  # as dead_embedding
+                    last = unused_tail(t.summary.dead_ids, t.summary.rows, t.summary.never_updated) is not None
                     what = (f"never looked up (tied to {', '.join(t.summary.tied_to)}, they learn through it)"
                             if t.summary.tied_to else
                             "never looked up (the weight learns outside its lookups, they learn there)"

@@ -19,6 +19,7 @@ from schemas.records import Anomaly, Fix, FixList
 from .errors import ApiError
 from .queries import STALE_AFTER_S, fix_from_row, get_anomaly, get_fix, require_run
 from .rules.base import median
+from .rules.embeddings import id_span
 from .rules.gradients import global_norm
 from .store import Store
 
@@ -216,7 +217,7 @@ def _embedding(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
             "push those outputs harder.", "None needed for unused ids.", "low", live=False)]
     if params is None and a.kind == AnomalyKind.dead_embedding and a.evidence.get("past_data_range"):
         table, rows, never = a.evidence.get("table"), a.evidence.get("table_rows"), a.evidence.get("never_updated")
-        span = f"{rows - never}-{rows - 1}" if isinstance(rows, int) and isinstance(never, int) else "at its end"
+        span = id_span(rows - never, rows - 1) if isinstance(rows, int) and isinstance(never, int) else "at its end"
         return [Candidate(
             FixAction.advice, {"instructions": f"Nothing to apply if ids {span} of '{table}' are meant to be absent "
                                "(positions past the longest sequence, a vocabulary padded to a round size): the rows "

@@ -405,11 +405,11 @@ class TableState:
         read: the next report carries the verdict). A sparse gradient holds the looked-up rows only: a
         weight that also learns elsewhere accumulates a dense one."""
         self._check_outside = False
+        self._checks_left -= 1
         if grad.is_sparse:
             return
         cand = torch.cat([self.dead_ids, self.rare_ids])
         if cand.numel():
-            self._checks_left -= 1
             g = grad.index_select(0, cand).double()  # float64: a decayed row's (1e-20) products stay normal
             w = self.weight.detach().index_select(0, cand).double()
             # A penalty on the rows' norms (an L2 term in the loss) pulls each row along itself: that is not
@@ -427,7 +427,7 @@ class TableState:
     def _outside_flag(self) -> torch.Tensor | None:
         """The check's verdict since the last report (a bool tensor; None: not checked), and whether the next
         tracked step checks: while the weight is not known to learn outside its lookups, the report lists
-        rows never or rarely updated, and fewer than OUTSIDE_CHECKS checks have read rows."""
+        rows never or rarely updated, and fewer than OUTSIDE_CHECKS checks have run."""
         seen, self._outside_seen = self._outside_seen, None
         self._check_outside = (not self.outside and self._checks_left > 0
                                and bool(self.dead_ids.numel() or self.rare_ids.numel()))

@@ -38,6 +38,19 @@ def _latest(obs: Observations) -> dict[str, tuple[int, dict]]:
     return latest
 
 
+def unused_tail(dead_ids: list, rows: int, never: int) -> int | None:
+    """The first of the table's last ids when its rows never updated are exactly those (the report lists them
+    lowest first, so the first listed is where they start): a table sized past the ids the data holds. None
+    otherwise."""
+    start = rows - never
+    return start if never > 0 and dead_ids and int(dead_ids[0]) == start else None
+
+
+def id_span(start: int, end: int) -> str:
+    """Ids start..end as a message says them: '7', or '3-9'."""
+    return f"{start}" if start == end else f"{start}-{end}"
+
+
 def _by_chance(e: dict, row: dict) -> float | None:
     """Rows of the table expected by chance to stand as far out as a listed ``row``: its eligible rows' zombie
     scores (ln(noise) - consistency, as the probe ranks them) a normal of the reported median and spread above
@@ -242,10 +255,9 @@ class DeadEmbedding(Rule):
             nonfinite = e.get("nonfinite_rows") or 0
             tied = e.get("tied_to") or []
             outside = bool(e.get("learns_outside_lookups"))
-            # The rows never updated are exactly the table's last ids (the report lists them lowest first, so
-            # the first is where they start): a table sized past the ids the data holds, by design.
-            listed = e.get("dead_ids") or []
-            past = not rare and bool(listed) and int(listed[0]) == rows - never
+            # The rows never updated are exactly the table's last ids: a table sized past the ids the data
+            # holds, by design.
+            past = not rare and unused_tail(e.get("dead_ids") or [], rows, never) is not None
             # A tied table's rows learn through the tied parameter (as outputs), and so do those of a weight used
             # outside its lookups (rows not looked up had a gradient): rows never looked up are ids the inputs do
             # not hold, not rows that never learn.
@@ -260,8 +272,8 @@ class DeadEmbedding(Rule):
                        "output matrix, as in a full softmax over its ids, or a functional call), where these rows "
                        "still learn: ids the inputs never hold, not rows that learn nothing.")
             elif past:
-                span = f"{rows - 1}" if never == 1 else f"{rows - never}-{rows - 1}"
-                why = (f"They are the table's last {'id' if never == 1 else 'ids'} ({span}), none below: the table is "
+                why = (f"They are the table's last {'id' if never == 1 else 'ids'} ({id_span(rows - never, rows - 1)}), "
+                       "none below: the table is "
                        "sized past the ids the data holds (positions beyond the longest sequence, a vocabulary padded "
                        "to a round size, ids added after the data was made). Nothing to fix unless ids in that "
                        "range should occur.")
