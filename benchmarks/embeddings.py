@@ -164,8 +164,9 @@ class Watch:
 
 
 def train(d: Data, regime: str, seed: int, epochs: int, *, probe_on: bool = False, fix: str | None = None,
-          targets=None, l2: float = 0.0, nan_at: int | None = None, sparse: bool = False) -> dict:
-    """One run. ``targets(epoch, order) -> ratings`` plants faults; returns curves, findings, probe.
+          targets=None, l2: float = 0.0, nan_at: int | None = None, sparse: bool = False, each_epoch=None) -> dict:
+    """One run. ``targets(epoch, order) -> ratings`` plants faults; ``each_epoch(epoch, model, probe)`` reads
+    the run at the end of each epoch; returns curves, findings, probe.
     ``fix``: when to apply the server's table fix (embedding_grad_scale over a table): 'zombie', as soon as
     zombie_embedding fires on the table; 'overfit', once the overfitting rule fires on the validation MSE
     (sent as val_loss after each epoch), on every table zombie_embedding has named so far."""
@@ -216,6 +217,8 @@ def train(d: Data, regime: str, seed: int, epochs: int, *, probe_on: bool = Fals
             step += 1
         model.eval()
         curve.append(val_mse(model, d))
+        if each_epoch is not None:
+            each_epoch(epoch, model, probe)
         if fix == "overfit":
             probe.log(step=step - 1, val_loss=curve[-1])
             probe.flush()
@@ -315,16 +318,35 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
         group = torch.rand(d.n_users, generator=gen) < 0.5
         flip = torch.isin(d.items, conflict) & group[d.users]
         flipped = torch.where(flip, 6 - d.ratings, d.ratings)
-        run = train(d, regime, seed, epochs, probe_on=True, targets=lambda e, o: flipped[o]) if "b" in cases else None
+        controls = _matched(counts, conflict, exclude=cset | zset)
+        in_conflict, in_controls = torch.isin(d.items, conflict), torch.isin(d.items, controls)
+        by_epoch: dict[str, list[float]] = {"item.weight": [], "item_bias.weight": [], "fit": []}
+
+        def conflict_auc(t) -> float:
+            score = t.zombie_score()
+            return auc(score[conflict].tolist(), score[controls].tolist())
+
+        def read(epoch: int, model: MF, probe) -> None:
+            # the score's AUC as the run goes, and how far the model has fitted the conflict: the conflict
+            # items' training error over the controls' (1: fitted as well as the rest)
+            for tname in ("item.weight", "item_bias.weight"):
+                by_epoch[tname].append(conflict_auc(probe.collections[0].table(tname)))
+            with torch.no_grad():
+                err = (model(d.users, d.items) - flipped) ** 2
+            by_epoch["fit"].append(float(err[in_conflict].mean() / err[in_controls].mean()))
+
+        run = train(d, regime, seed, epochs, probe_on=True, targets=lambda e, o: flipped[o],
+                    each_epoch=read) if "b" in cases else None
         for tname in ("item.weight", "item_bias.weight") if run is not None else ():
             t = table_of(run, tname)
-            score = t.zombie_score()
             msq = t.grad_sq
-            controls = _matched(counts, conflict, exclude=cset | zset)
-            a = auc(score[conflict].tolist(), score[controls].tolist())
             am = auc(msq[conflict].tolist(), msq[controls].tolist())
-            print(f"seed {seed} (b) group conflict {tname}: AUC of zombie score {a:.3f} "
-                  f"(mean-squared-gradient score {am:.3f}; {len(controls)} popularity-matched controls)")
+            print(f"seed {seed} (b) group conflict {tname}: AUC of zombie score {conflict_auc(t):.3f} "
+                  f"(mean-squared-gradient score {am:.3f}; {len(controls)} popularity-matched controls); "
+                  f"at the end of each epoch {' '.join(f'{a:.2f}' for a in by_epoch[tname])}")
+        if run is not None:
+            print(f"seed {seed} (b) the conflict items' training MSE over the controls' at the end of each epoch "
+                  f"(1.00: fitted as well): {' '.join(f'{r:.2f}' for r in by_epoch['fit'])}")
 
         # (c) 50 items with every training rating removed: dead rows, plain / L2 in the loss / after NaN.
         alive = torch.nonzero(counts > 0).reshape(-1)
