@@ -396,13 +396,16 @@ static PyObject *
 fastats_track_pre(PyObject *Py_UNUSED(self), PyObject *args)
 {
     unsigned long long ids_p, grad_p, gi_p, gv_p, src_uniq_p, src_cnt_p, w_p, proj_p, pad_p, keys_p, slots_p, uniq_p,
-        cnt_p, gsk_p, before_p, acc_p;
-    Py_ssize_t n_ids, rows, dim, k, n_g, src_nu, n_pad, h;
-    /* what changes every step, then the table's fixed arguments, then the scratch */
-    if (!PyArg_ParseTuple(args, "KnKKKnKKnKnnnKKnKKnKKKKK", &ids_p, &n_ids, &grad_p, &gi_p, &gv_p, &n_g, &src_uniq_p,
-                          &src_cnt_p, &src_nu, &w_p, &rows, &dim, &k, &proj_p, &pad_p, &n_pad, &keys_p, &slots_p, &h,
-                          &uniq_p, &cnt_p, &gsk_p, &before_p, &acc_p))
+        cnt_p, gsk_p, before_p, acc_p, extra_p;
+    Py_ssize_t n_ids, rows, dim, k, n_g, src_nu, n_pad, h, n_extra;
+    /* what changes every step, then the table's fixed arguments, then the scratch, then the rows updated
+     * without a lookup here (a replicated table's rows other ranks looked up: their gradient is reduced
+     * into this rank's), each a row of the step with no lookup */
+    if (!PyArg_ParseTuple(args, "KnKKKnKKnKnnnKKnKKnKKKKKKn", &ids_p, &n_ids, &grad_p, &gi_p, &gv_p, &n_g,
+                          &src_uniq_p, &src_cnt_p, &src_nu, &w_p, &rows, &dim, &k, &proj_p, &pad_p, &n_pad, &keys_p,
+                          &slots_p, &h, &uniq_p, &cnt_p, &gsk_p, &before_p, &acc_p, &extra_p, &n_extra))
         return NULL;
+    const int64_t *extra = (const int64_t *)(uintptr_t)extra_p;
     const int64_t *ids = (const int64_t *)(uintptr_t)ids_p, *gi = (const int64_t *)(uintptr_t)gi_p;
     const int64_t *pad = (const int64_t *)(uintptr_t)pad_p;
     const float *grad = (const float *)(uintptr_t)grad_p, *gv = (const float *)(uintptr_t)gv_p;
@@ -413,9 +416,10 @@ fastats_track_pre(PyObject *Py_UNUSED(self), PyObject *args)
     float *acc = (float *)(uintptr_t)acc_p;
     const int64_t *src_uniq = (const int64_t *)(uintptr_t)src_uniq_p;
     const float *src_cnt = (const float *)(uintptr_t)src_cnt_p;
-    if (n_ids < 0 || dim <= 0 || k <= 0 || n_g < 0 || n_pad < 0 || h < 2 * n_ids || (h & (h - 1)) != 0
+    if (n_ids < 0 || dim <= 0 || k <= 0 || n_g < 0 || n_pad < 0 || n_extra < 0 || (n_extra > 0 && extra == NULL)
+        || h < 2 * (n_ids + n_extra) || (h & (h - 1)) != 0
         || (proj == NULL && k != dim) || (grad == NULL && (gi == NULL || gv == NULL || acc == NULL) && n_g > 0)
-        || (src_uniq != NULL && (grad == NULL || src_cnt == NULL || src_nu < 0 || src_nu > n_ids))) {
+        || (src_uniq != NULL && (grad == NULL || src_cnt == NULL || src_nu < 0 || src_nu > n_ids || n_extra > 0))) {
         PyErr_SetString(PyExc_ValueError, "track_pre: bad arguments");
         return NULL;
     }
@@ -453,6 +457,23 @@ fastats_track_pre(PyObject *Py_UNUSED(self), PyObject *args)
             cnt[s] = 1.0f;
         } else {
             cnt[s] += 1.0f;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n_extra && bad_id < 0; i++) { /* no lookup here: a row of the step, count 0 */
+        const int64_t id = extra[i];
+        if (id < 0 || id >= rows) {
+            bad_id = n_ids + i;
+            break;
+        }
+        int is_pad = 0;
+        for (Py_ssize_t p = 0; p < n_pad; p++)
+            is_pad |= pad[p] == id;
+        if (is_pad)
+            continue;
+        const Py_ssize_t before_nu = nu, s = slot_of(id, keys, slots, h, &nu, 1);
+        if (nu > before_nu) {
+            uniq[s] = id;
+            cnt[s] = 0.0f;
         }
     }
     if (bad_id < 0) {
@@ -572,9 +593,12 @@ CLONES static Py_ssize_t update_rows(Py_ssize_t nu, const int64_t *uniq, const f
         if (fin && k != 8)
             for (Py_ssize_t j = 0; j < k; j++)
                 prev[j] = (float)inno[j];
+        /* energy per lookup: from the steps that looked the row up here (a replicated table's row that only
+         * other ranks looked up has no count to divide by) */
+        const int looked = cnt[s] > 0.0f;
         const double target[6] = {with_delta ? clean(sqrt((double)step2)) : 0.0, dot, sqrt(in2 * pv2), gn2, msq,
-                                  gn2 / cnt[s]};
-        const double rate[6] = {with_delta ? a_fast : 0.0, a_pair, a_pair, a_slow, a_mean, a_slow};
+                                  looked ? gn2 / cnt[s] : 0.0};
+        const double rate[6] = {with_delta ? a_fast : 0.0, a_pair, a_pair, a_slow, a_mean, looked ? a_slow : 0.0};
         for (int i = 0; i < 6; i++) {
             double x = (1.0 - rate[i]) * st[1 + i] + rate[i] * target[i];
             x = x != x ? 0.0 : (x > 1e30 ? 1e30 : (x < -1e30 ? -1e30 : x));
@@ -1076,7 +1100,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 13
+#define FASTATS_VERSION 14
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

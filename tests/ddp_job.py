@@ -5,7 +5,8 @@ turn (``"fsdp": true`` shards the model with FSDP2's ``fully_shard`` instead of 
 are injected on one rank: ``"slow_forward": "R:S"`` sleeps S seconds in rank R's forward (a
 straggler), ``"slow_data": "R:S"`` sleeps S seconds in rank R's data loader for every batch. ``"pace": S``
 sleeps S seconds in every rank's forward, the same everywhere, so a job lasts long enough to be
-watched. Each rank gets the environment torchrun would give it. Not a test module (no test_ prefix).
+watched. ``"recsys": true`` trains a matrix factorisation on each rank's half of the items instead (see
+recsys()). Each rank gets the environment torchrun would give it. Not a test module (no test_ prefix).
 """
 
 from __future__ import annotations
@@ -39,6 +40,47 @@ def _fault(spec: str | None, rank: int) -> float:
     return float(seconds) if int(who) == rank else 0.0
 
 
+class MF(torch.nn.Module):
+    """A recommender's tables: users and items, a dot product."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.user = torch.nn.Embedding(200, 16, sparse=sparse)
+        self.item = torch.nn.Embedding(RECSYS_ITEMS, 16, sparse=sparse)
+
+    def forward(self, u: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return (self.user(u) * self.item(i)).sum(1)
+
+
+RECSYS_ITEMS = 400
+RECSYS_DEAD = range(100, 120)  # items no rank's data holds
+
+
+def recsys(rank: int, job: dict) -> None:
+    """Data-parallel matrix factorisation where each rank's data holds its own half of the items (rank 0
+    the ids below 200, rank 1 the rest), but for RECSYS_DEAD, in no rank's data: a rank looks up only its
+    half, and DDP's all-reduce moves every row any rank looked up. ``"sparse": true``: sparse gradients
+    (reduced as the union of the ranks' rows) and SparseAdam."""
+    sparse = job.get("sparse", False)
+    model = DDP(MF(sparse))
+    opt = (torch.optim.SparseAdam if sparse else torch.optim.Adam)(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    half = RECSYS_ITEMS // job["nproc"]
+    items = torch.tensor([i for i in range(rank * half, (rank + 1) * half) if i not in RECSYS_DEAD])
+    probe = probes.attach(model, opt, server=job["server"], collections={"embeddings": job.get("interval", 20)},
+                          flush_interval=0.1)
+    for _ in range(job.get("steps", 100)):
+        u = torch.randint(0, 200, (128,), generator=g)
+        i = items[torch.randint(0, len(items), (128,), generator=g)]
+        loss = ((model(u, i) - 1.0) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+    probe.close()
+    dist.destroy_process_group()
+
+
 def train(rank: int, job: dict) -> None:
     """One rank of one job. Runs in a forked child: the launcher imported torch once for all of them."""
     import os
@@ -49,6 +91,9 @@ def train(rank: int, job: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
+    if job.get("recsys"):
+        recsys(rank, job)
+        return
     data_sleep = _fault(job.get("slow_data"), rank)
     model = torch.nn.Sequential(Sleep(job.get("pace", 0.0) + _fault(job.get("slow_forward"), rank)),
                                 torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))

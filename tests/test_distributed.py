@@ -3,7 +3,8 @@
 One launcher process (tests/ddp_job.py) imports torch once and runs four jobs in turn, each on forked
 ranks with the environment torchrun gives them: a healthy 2-rank job that an agent captures over MCP
 while it runs, a 2-rank job with a straggler (rank 1 sleeps in its forward), a 4-rank job with a slow
-data loader on rank 2, a healthy 4-rank job, and a 2-rank job sharded with FSDP2.
+data loader on rank 2, a healthy 4-rank job, a 2-rank job sharded with FSDP2, and a 2-rank
+recommender whose ranks each see half of the items.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ JOBS = [
     {"rdzv_id": "ok4", "nproc": 4, "steps": 24, "interval": 2},
     # FSDP2 (fully_shard): each rank holds half of every parameter and of its gradient, as DTensors.
     {"rdzv_id": "fsdp2", "nproc": 2, "steps": 12, "interval": 2, "fsdp": True},
+    # A recommender under DDP, each rank's data holding its own half of the items (tests/ddp_job.py).
+    {"rdzv_id": "recsys2", "nproc": 2, "steps": 100, "interval": 20, "recsys": True},
+    {"rdzv_id": "recsys2s", "nproc": 2, "steps": 100, "interval": 20, "recsys": True, "sparse": True},
 ]
 
 # The Trace Event Format's JSON object form, as documented by Chrome's trace viewer (and read by Perfetto):
@@ -141,6 +145,28 @@ def test_healthy_multi_rank_runs_raise_nothing(jobs: ServerProcess) -> None:
 
     found = [a for a in _anomalies(jobs, "torchrun-cap2") if a["rule"] in RULES]
     assert found == [], [a["message"] for a in found]
+
+
+@pytest.mark.parametrize("run", ["torchrun-recsys2", "torchrun-recsys2s"], ids=["dense", "sparse"])
+def test_under_ddp_rows_other_ranks_look_up_are_not_dead_and_rows_no_rank_looks_up_are(jobs: ServerProcess,
+                                                                                      run: str) -> None:
+    """Each rank looks up its own half of the items, and DDP's all-reduce moves every row any rank looked up.
+    Before, each rank counted the other half as never updated (210 rows), and since those rows had a
+    gradient, said the table learns outside its lookups: the 20 items no rank's data holds were an info
+    with the wrong cause (with sparse gradients, the other half was dead: a warning on 220 rows). Now every
+    rank counts the rows the optimizer moves, and names those 20."""
+    from tests.ddp_job import RECSYS_DEAD
+
+    dead = [a for a in _anomalies(jobs, run) if a["rule"] == "dead_embedding"]
+    assert [(a["severity"], a["evidence"]["table"]) for a in dead] == [("warning", "module.item.weight")], dead
+    e = dead[0]["evidence"]
+    assert (e["never_updated"], e["rows"], e["learns_outside_lookups"]) == (20, [float(i) for i in RECSYS_DEAD], False)
+    assert "Cold-start ids" in dead[0]["message"]
+    tables = _get(jobs, f"/v1/runs/{run}/embeddings", table="module.item", rows=50)["tables"]
+    assert [t["rank"] for t in tables] == [0, 1]
+    for t in tables:  # every rank says the same of the rows
+        assert t["summary"]["never_updated"] == 20 and t["summary"]["dead_ids"] == list(RECSYS_DEAD)
+        assert not t["summary"].get("learns_outside_lookups")
 
 
 def test_fsdp2_ranks_report_the_shards_they_hold_and_together_the_whole_tensors(jobs: ServerProcess) -> None:

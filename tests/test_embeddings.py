@@ -136,6 +136,36 @@ def test_row_statistics_match_a_hand_computation(path: str) -> None:
     probe.close()
 
 
+def test_with_other_ranks_a_row_with_a_gradient_is_updated_whether_or_not_this_rank_looked_it_up(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under data parallelism the gradient is averaged across the ranks: rows only other ranks looked up have
+    one here, and move. With other ranks, such a row counts as updated, its statistics those of its gradient;
+    its energy per lookup comes from this rank's lookups alone (it has none). Stood in for by a second term
+    of the loss on rows 4 and 5 (what the all-reduce adds); rows 6 and 7 get nothing: the only dead ones."""
+    monkeypatch.setattr(probes.embeddings, "_other_ranks", lambda: True)
+    torch.manual_seed(0)
+    model = Toy(rows=8, dim=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, sink = attach(model, opt)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        ids = torch.tensor([0, 1, 2, 3, 3])
+        targets, pull = torch.randn(5, generator=gen), torch.randn(2, 3, generator=gen)
+        loss = ((model(ids) - targets) ** 2).sum() + (model.table.weight[4:6] * pull).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+    probe.flush()
+    t = table_state(probe)
+    assert t.touches.tolist() == [30] * 6 + [0, 0]
+    assert (t.occ_sq[:4] > 0).all() and t.occ_sq[4:].tolist() == [0] * 4
+    assert (t.grad_sq[4:6] > 0).all()  # what the other ranks' lookups gave them
+    e = summaries(sink)[-1][1]["embedding"]
+    assert (e["never_updated"], e["dead_ids"], e.get("learns_outside_lookups")) == (2, [6, 7], None)
+    probe.close()
+
+
 def test_velocity_is_the_ema_of_the_row_step(path: str) -> None:
     torch.manual_seed(0)
     model = Toy(rows=3, dim=2)
