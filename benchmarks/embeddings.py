@@ -3,7 +3,7 @@
     pip install --no-deps recbole          # ships ML-100k as a text file; nothing is downloaded at run time
     PYTHONPATH=. python benchmarks/embeddings.py --quick          # a few minutes
     PYTHONPATH=. python benchmarks/embeddings.py                  # the full protocol (5 seeds, 30 epochs)
-    PYTHONPATH=. python benchmarks/embeddings.py detect|fix|overhead [--quick]
+    PYTHONPATH=. python benchmarks/embeddings.py detect|fix|overhead|ddp [--quick]
     PYTHONPATH=. python benchmarks/embeddings.py agent            # the agent's loop through a real server
     PYTHONPATH=. python benchmarks/embeddings.py longtail         # the zombie rule on a 1M-row long-tailed table
 
@@ -668,6 +668,83 @@ def longtail_bench(seed: int = 0, steps: int = 3000, rows: int = 1_000_000, plan
               + (f", recall {tp / len(truth):.2f}" if truth else ""))
 
 
+# -- data parallel: the collection's cost on DDP ranks -------------------------------------------------------
+class _Pair(torch.nn.Module):
+    """An item table and a user table, a dot product (what DDP wraps: its forward prepares the all-reduce)."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.item, self.user = torch.nn.Embedding(rows, dim), torch.nn.Embedding(10_000, dim)
+
+    def forward(self, i: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return (self.item(i) * self.user(u)).sum(1)
+
+
+def _ddp_rank(rank: int, rows: int, dim: int, arm: str, steps: int, port: int, out) -> None:
+    """One rank of a 2-rank gloo DDP job with dense tables and Adam, batch 1024 a rank (Zipf items): its
+    steps' mean time (rank 0 puts it on ``out``)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    logging.getLogger("traindx.probe").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = DDP(_Pair(rows, dim))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    probe = _attach_embeddings(model, opt, "inline" if arm == "on" else arm)
+    g = torch.Generator().manual_seed(rank)
+    weights = _zipf(rows)
+
+    def batch_loss() -> torch.Tensor:
+        i = torch.multinomial(weights, 1024, replacement=True, generator=g)
+        u = torch.randint(0, 10_000, (1024,), generator=g)
+        return (model(i, u) - 1.0).pow(2).mean()
+
+    step = _stepper(batch_loss, opt, probe)
+    for _ in range(3):
+        step()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier()
+    if rank == 0:
+        out.put((time.perf_counter() - start) / steps)
+    if probe is not None:
+        probe.close()
+    dist.destroy_process_group()
+
+
+def ddp_overhead(repeats: int, steps: int) -> None:
+    """The collection's step-time ratio on 2 DDP ranks (gloo, CPU), where each rank also finds the rows other
+    ranks looked up in the all-reduced gradient (see TableState.gather): the arms alternate, a job each."""
+    import socket
+
+    ctx = multiprocessing.get_context("spawn")
+    print(f"\n== overhead under DDP: 2 gloo ranks, dense item + 10k-user tables, Adam, batch 1024 a rank, the "
+          f"collection on (inline) vs no probe; arms alternating, {repeats} jobs each of {steps} steps ==")
+    for rows, n in ((10_000, steps), (1_000_000, max(steps // 20, 5))):
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for _ in range(repeats):
+            for arm in times:
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    port = sock.getsockname()[1]
+                out = ctx.Queue()
+                procs = [ctx.Process(target=_ddp_rank, args=(r, rows, 32, arm, n, port, out)) for r in range(2)]
+                for p in procs:
+                    p.start()
+                times[arm].append(out.get(timeout=900))
+                for p in procs:
+                    p.join(60)
+        ratios = [a / b for a, b in zip(times["on"], times["off"])]
+        print(f"{rows} x 32 items: off {statistics.median(times['off']) * 1e3:.2f} ms/step, on "
+              f"{statistics.median(times['on']) * 1e3:.2f} ms/step, ratio {statistics.median(ratios):.3f}x "
+              f"({', '.join(f'{r:.2f}' for r in ratios)})")
+
+
 # -- the agent's loop, through a real server ---------------------------------------------------------------
 def agent_bench(seeds: list[int], steps: int) -> None:
     """The recorded agent session's job (agent_examples.jobs.recommender_job: synthetic ratings, a broken join
@@ -718,7 +795,7 @@ def agent_bench(seeds: list[int], steps: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", nargs="?", default="all", choices=["all", "detect", "fix", "overhead", "agent", "longtail"])
+    ap.add_argument("what", nargs="?", default="all", choices=["all", "detect", "fix", "overhead", "ddp", "agent", "longtail"])
     ap.add_argument("--quick", action="store_true", help="fewer epochs and seeds (a few minutes)")
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--epochs", type=int, default=None)
@@ -747,6 +824,9 @@ def main(argv: list[str] | None = None) -> int:
     epochs = args.epochs or (8 if args.quick else 30)
     if args.what == "agent":  # synthetic ratings: no MovieLens needed
         agent_bench(seeds, 1500 if args.quick else 3000)
+        return 0
+    if args.what == "ddp":  # synthetic lookups: no MovieLens needed
+        ddp_overhead(repeats=3 if args.quick else 5, steps=100 if args.quick else 300)
         return 0
     if args.what == "longtail":
         for planted_items in (50, 0):  # and the same run without the fault: what a healthy table raises
