@@ -392,6 +392,33 @@ CLONES static void reduce_rows(Py_ssize_t nu, const int64_t *uniq, const float *
     }
 }
 
+/* Adds ``n`` ids to the step's distinct rows (``uniq``, their counts ``cnt``), ``weight`` lookups each (1; 0
+ * for a row of the step with no lookup here), padding rows skipped: the index of the first id out of the
+ * table's rows, or -1. */
+static Py_ssize_t add_rows(const int64_t *ids, Py_ssize_t n, float weight, Py_ssize_t rows, const int64_t *pad,
+                           Py_ssize_t n_pad, int64_t *keys, int64_t *slots, Py_ssize_t h, int64_t *uniq, float *cnt,
+                           Py_ssize_t *nu)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t id = ids[i];
+        if (id < 0 || id >= rows)
+            return i;
+        int is_pad = 0;
+        for (Py_ssize_t p = 0; p < n_pad; p++)
+            is_pad |= pad[p] == id;
+        if (is_pad)
+            continue;
+        const Py_ssize_t before_nu = *nu, s = slot_of(id, keys, slots, h, nu, 1);
+        if (*nu > before_nu) {
+            uniq[s] = id;
+            cnt[s] = weight;
+        } else {
+            cnt[s] += weight;
+        }
+    }
+    return -1;
+}
+
 static PyObject *
 fastats_track_pre(PyObject *Py_UNUSED(self), PyObject *args)
 {
@@ -440,41 +467,11 @@ fastats_track_pre(PyObject *Py_UNUSED(self), PyObject *args)
     } else {
         memset(keys, 0xff, (size_t)h * sizeof(int64_t)); /* every key -1 */
     }
-    for (Py_ssize_t i = 0; i < n_ids; i++) {
-        const int64_t id = ids[i];
-        if (id < 0 || id >= rows) {
-            bad_id = i;
-            break;
-        }
-        int is_pad = 0;
-        for (Py_ssize_t p = 0; p < n_pad; p++)
-            is_pad |= pad[p] == id;
-        if (is_pad)
-            continue;
-        const Py_ssize_t before_nu = nu, s = slot_of(id, keys, slots, h, &nu, 1);
-        if (nu > before_nu) {
-            uniq[s] = id;
-            cnt[s] = 1.0f;
-        } else {
-            cnt[s] += 1.0f;
-        }
-    }
-    for (Py_ssize_t i = 0; i < n_extra && bad_id < 0; i++) { /* no lookup here: a row of the step, count 0 */
-        const int64_t id = extra[i];
-        if (id < 0 || id >= rows) {
-            bad_id = n_ids + i;
-            break;
-        }
-        int is_pad = 0;
-        for (Py_ssize_t p = 0; p < n_pad; p++)
-            is_pad |= pad[p] == id;
-        if (is_pad)
-            continue;
-        const Py_ssize_t before_nu = nu, s = slot_of(id, keys, slots, h, &nu, 1);
-        if (nu > before_nu) {
-            uniq[s] = id;
-            cnt[s] = 0.0f;
-        }
+    if (bad_id < 0)
+        bad_id = add_rows(ids, n_ids, 1.0f, rows, pad, n_pad, keys, slots, h, uniq, cnt, &nu);
+    if (bad_id < 0) { /* no lookup here: rows of the step, count 0 */
+        bad_id = add_rows(extra, n_extra, 0.0f, rows, pad, n_pad, keys, slots, h, uniq, cnt, &nu);
+        bad_id = bad_id < 0 ? -1 : n_ids + bad_id;
     }
     if (bad_id < 0) {
         if (grad == NULL) { /* sparse: a step's entries of one row add up; entries of rows not looked up drop */
