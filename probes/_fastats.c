@@ -419,6 +419,42 @@ static Py_ssize_t add_rows(const int64_t *ids, Py_ssize_t n, float weight, Py_ss
     return -1;
 }
 
+/* The rows of a dense float32 (rows, dim) gradient with an element that is not +-0 (NaN counts), in order:
+ * a replicated table's rows of the step, whoever looked them up (see TableState.gather). One pass, the
+ * elements' bits or-ed per row. */
+CLONES static Py_ssize_t nonzero_rows(const uint32_t *g, Py_ssize_t rows, Py_ssize_t dim, int64_t *out)
+{
+    Py_ssize_t n = 0;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const uint32_t *q = g + r * dim;
+        uint32_t bits = 0;
+#pragma omp simd reduction(| : bits)
+        for (Py_ssize_t d = 0; d < dim; d++)
+            bits |= q[d] & 0x7fffffffu;
+        out[n] = r;
+        n += bits != 0;
+    }
+    return n;
+}
+
+static PyObject *
+fastats_nonzero_rows(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    unsigned long long g_p, out_p;
+    Py_ssize_t rows, dim;
+    if (!PyArg_ParseTuple(args, "KnnK", &g_p, &rows, &dim, &out_p))
+        return NULL;
+    if (rows < 0 || dim <= 0 || (rows > 0 && (g_p == 0 || out_p == 0))) {
+        PyErr_SetString(PyExc_ValueError, "nonzero_rows: bad arguments");
+        return NULL;
+    }
+    Py_ssize_t n;
+    Py_BEGIN_ALLOW_THREADS
+    n = nonzero_rows((const uint32_t *)(uintptr_t)g_p, rows, dim, (int64_t *)(uintptr_t)out_p);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSsize_t(n);
+}
+
 static PyObject *
 fastats_track_pre(PyObject *Py_UNUSED(self), PyObject *args)
 {
@@ -1064,6 +1100,10 @@ static PyMethodDef methods[] = {
      "Copy src to dst (contiguous, same dtype, not overlapping) and return src's sum of squares."},
     {"diff_sumsq", fastats_diff_sumsq, METH_VARARGS,
      "diff_sumsq(a_ptr, b_ptr, numel, is_double) -> float\n\nThe sum of squares of a - b."},
+    {"nonzero_rows", fastats_nonzero_rows, METH_VARARGS,
+     "nonzero_rows(grad_ptr, rows, dim, out_ptr) -> int\n\n"
+     "Write to ``out`` (room for ``rows`` int64) the rows of a contiguous float32 (rows, dim) buffer with an\n"
+     "element that is not +-0 (NaN counts), in order; return how many."},
     {"track_pre", fastats_track_pre, METH_VARARGS,
      "One tracked step of an embedding table, before the optimizer step (see probes/embeddings.py)."},
     {"track_post", fastats_track_post, METH_VARARGS,
@@ -1097,7 +1137,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 14
+#define FASTATS_VERSION 15
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

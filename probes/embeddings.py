@@ -220,6 +220,7 @@ class TableState:
         self.name, self.weight, self.modules = name, weight, modules
         # One of several ranks (see _other_ranks): the gradient may hold other ranks' lookups (see gather).
         self.other_ranks = other_ranks
+        self._nonzero: torch.Tensor | None = None  # _rows_with_grad's buffer (the kernel's)
         self.tied = tied  # other modules' parameters that are this weight (see tied_to)
         # How far this step's tracking got: 0 waiting, 1 gathered before an optimizer step, 2 updated after it.
         self.phase = 0
@@ -389,9 +390,8 @@ class TableState:
         # With other ranks (data parallel), the gradient is reduced across them: rows only they looked up have
         # one here too, and the optimizer moves them. They are rows of the step with no lookup here (``extra``,
         # count 0): their statistics are updated, and a row no rank looks up is the only dead one. Found in the
-        # gradient: for a dense one, its rows with a nonzero element (two row reductions, O(rows x width) a
-        # step: what its all-reduce already moves; 34 ms for 1M x 32 on one CPU thread; on CUDA the number of
-        # rows found is one host synchronisation a step); for a sparse one, its entries' rows.
+        # gradient: for a dense one, its rows with a nonzero element (_rows_with_grad: O(rows x width) a step,
+        # what its all-reduce already moves); for a sparse one, its entries' rows.
         entries = extra = None
         if lookups:
             ids = lookups[0] if len(lookups) == 1 else torch.cat([x.reshape(-1) for x in lookups])
@@ -404,7 +404,7 @@ class TableState:
             ids = grad.indices()[0]
             entries = (ids, grad.values().detach())
         elif self.other_ranks:
-            extra = torch.nonzero((grad.amax(dim=1) != 0) | (grad.amin(dim=1) != 0)).reshape(-1)  # NaN != 0
+            extra = self._rows_with_grad(grad)
             if not lookups:
                 ids = extra[:0]
         elif not lookups:
@@ -428,6 +428,19 @@ class TableState:
         if g is None:
             g = self._copy_rows(grad, ids, 0, at)
         self._cur = (ids, g, self._copy_rows(w.detach(), ids, 1, at), at, n_local)
+
+    def _rows_with_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The rows of a dense gradient with a nonzero element (NaN counts), in order: by the kernel into a
+        reused buffer of the table's rows (8 bytes a row, allocated at the first call), else two row
+        reductions (on CUDA, reading how many is a host synchronisation)."""
+        if self.native:
+            if grad.dtype is not torch.float32 or not grad.is_contiguous():
+                grad = grad.float().contiguous()
+            if self._nonzero is None:
+                self._nonzero = torch.empty(self.rows, dtype=torch.long)
+            n = stats._fastats.nonzero_rows(grad.data_ptr(), self.rows, self.dim, self._nonzero.data_ptr())
+            return self._nonzero[:n]
+        return torch.nonzero((grad.amax(dim=1) != 0) | (grad.amin(dim=1) != 0)).reshape(-1)  # NaN != 0
 
     def _look_outside(self, grad: torch.Tensor, lookups: list[torch.Tensor]) -> None:
         """Whether rows this step did not look up have a gradient: read on the rows the last report listed

@@ -166,6 +166,16 @@ def test_with_other_ranks_a_row_with_a_gradient_is_updated_whether_or_not_this_r
     probe.close()
 
 
+def test_the_rows_with_a_gradient_are_those_with_an_element_that_is_not_zero(path: str) -> None:
+    """What a rank with other ranks reads as the rows of its step: a NaN or a subnormal element makes a row
+    one, -0.0 does not (the kernel's bit test and the torch path's reductions agree)."""
+    t = TableState("t", torch.nn.Parameter(torch.zeros(6, 3)), [], other_ranks=True)
+    grad = torch.zeros(6, 3)
+    grad[1, 2], grad[2, 0], grad[3, 1], grad[5, 0] = float("nan"), 1e-40, -0.0, -2.0
+    assert t._rows_with_grad(grad).tolist() == [1, 2, 5]
+    assert t._rows_with_grad(grad.double()).tolist() == [1, 2, 5]  # another dtype: read as float32 by the kernel
+
+
 def test_velocity_is_the_ema_of_the_row_step(path: str) -> None:
     torch.manual_seed(0)
     model = Toy(rows=3, dim=2)
