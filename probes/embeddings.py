@@ -175,6 +175,11 @@ def _other_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _joined_lookups(lookups: list[torch.Tensor]) -> torch.Tensor:
+    """A step's lookups of a table as one tensor of ids (the one lookup as it came, else flattened)."""
+    return lookups[0] if len(lookups) == 1 else torch.cat([x.reshape(-1) for x in lookups])
+
+
 def _gb(n: float) -> str:
     return f"{n / 2**30:.2g} GB" if n >= 2**28 else f"{n / 2**20:.3g} MB"
 
@@ -372,7 +377,8 @@ class TableState:
             self.native = _kernel_reads(w)  # else another dtype, device or layout: the queued path from now
             self._wp, self._tail = w.data_ptr(), None
         sparse = grad.is_sparse
-        if self.native and len(lookups) == 1 and not sparse and not self.other_ranks:  # the usual step, in as few torch calls as can be
+        # the usual step, in as few torch calls as can be
+        if self.native and len(lookups) == 1 and not sparse and not self.other_ranks:
             ids, src = lookups[0], None
             if seen is not None:
                 for x, t in seen:
@@ -394,7 +400,7 @@ class TableState:
         # what its all-reduce already moves); for a sparse one, its entries' rows.
         entries = extra = None
         if lookups:
-            ids = lookups[0] if len(lookups) == 1 else torch.cat([x.reshape(-1) for x in lookups])
+            ids = _joined_lookups(lookups)
         if sparse and lookups:
             entries = (grad._indices()[0], grad._values().detach())
             if self.other_ranks:
@@ -462,8 +468,7 @@ class TableState:
             along = (norms > 0) & (dot >= PARALLEL_COS * norms)
             learns = (g != 0).any(dim=1) & torch.isfinite(g).all(dim=1) & ~along
             if lookups:  # rows this step looked up have a gradient of their own (a mask: no host read)
-                ids = lookups[0] if len(lookups) == 1 else torch.cat([x.reshape(-1) for x in lookups])
-                learns &= ~torch.isin(cand, ids.reshape(-1).to(cand.device))
+                learns &= ~torch.isin(cand, _joined_lookups(lookups).reshape(-1).to(cand.device))
             seen = learns.any()
             self._outside_seen = seen if self._outside_seen is None else self._outside_seen | seen
 
@@ -479,7 +484,8 @@ class TableState:
     def _native_pre(self, ids: torch.Tensor, grad: torch.Tensor, entries: tuple | None,
                     src: TableState | None = None, extra: torch.Tensor | None = None) -> None:
         """track_pre over this step's lookups (``entries``: a sparse gradient's, see gather()); ``src``: a
-        table tracked just before from the same lookups, whose distinct rows and counts are taken. The
+        table tracked just before from the same lookups, whose distinct rows and counts are taken; ``extra``:
+        rows of the step with no lookup here (other ranks', see gather()), counted 0. The
         kernel's pointers that last from step to step are kept (_tail), and checked again when the weight
         moved."""
         if ids.dtype is not torch.int64 or not ids.is_contiguous():
@@ -1211,6 +1217,7 @@ class Embeddings(Collection):
         # A table whose statistics would take more than MAX_STATE_SHARE of its device's free memory is left
         # out, as is one whose statistics fail to allocate: the job runs on, and the run says which.
         self.tables = []
+        other_ranks = _other_ranks()
         for i, (n, w, mods) in enumerate(found):
             if n in left_out:
                 continue
@@ -1226,7 +1233,7 @@ class Embeddings(Collection):
                 continue
             try:
                 self.tables.append(TableState(n, w, mods, seed=i, tied=tied_to(probe.model, w),
-                                              other_ranks=_other_ranks()))
+                                              other_ranks=other_ranks))
             except torch.cuda.OutOfMemoryError:  # (torch.OutOfMemoryError from 2.5; this name from 1.13)
                 notes.append(f"embeddings: {n} is not tracked: its per-row statistics ({_gb(need)}) did not fit "
                              f"on {w.device}")
