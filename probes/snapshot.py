@@ -8,6 +8,7 @@ Nothing here runs unless the server asked.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -20,19 +21,60 @@ MAX_ELEMENTS = 256
 
 
 def tensor_slice(name: str, source: str, t: torch.Tensor, max_elements: int) -> dict:
-    """Up to ``max_elements`` values of ``t`` (of this rank's shard, for a sharded parameter: see stats.local)."""
+    """Up to ``max_elements`` values of ``t`` (of this rank's shard, for a sharded parameter: see stats.local).
+    A sparse tensor (an embedding's sparse gradient) is sliced as its dense layout, never densified whole."""
     t = local(t.detach())
+    if t.is_sparse:
+        return _sparse_slice(name, source, t, max_elements)
     flat = t.reshape(-1)
     bad = ~torch.isfinite(flat) if flat.is_floating_point() else torch.zeros_like(flat, dtype=torch.bool)
     first_bad = bad.nonzero()
     # Centre the slice on the first NaN/Inf: that is where the evidence is.
     offset = max(int(first_bad[0]) - max_elements // 2, 0) if first_bad.numel() else 0
     values = flat[offset:offset + max_elements].float().tolist()
+    return _slice_event(name, source, t, flat.numel(), offset, values,
+                        int(torch.isnan(flat).sum()) if flat.is_floating_point() else 0,
+                        int(torch.isinf(flat).sum()) if flat.is_floating_point() else 0)
+
+
+def _sparse_slice(name: str, source: str, t: torch.Tensor, max_elements: int) -> dict:
+    """tensor_slice of a sparse COO tensor: its stored entries are blocks of the flattened dense layout (a
+    row of an embedding's gradient); the slice is centred on the first entry holding a NaN/Inf, else starts
+    at the first stored entry (the rows of a sparse gradient are where it says anything), zeros between."""
+    t = t.coalesce()
+    idx, vals = t.indices(), t.values()
+    block = math.prod(vals.shape[1:])  # elements of one entry (its dense dims: an embedding row)
+    # Each entry's first position in the flattened dense layout: its sparse index, row-major, times a block.
+    strides = torch.ones(idx.shape[0], dtype=torch.long, device=idx.device)
+    for d in range(idx.shape[0] - 2, -1, -1):
+        strides[d] = strides[d + 1] * t.shape[d + 1]
+    starts = (idx * strides[:, None]).sum(0) * block
+    flat_vals = vals.reshape(vals.shape[0], block)
+    floating = vals.is_floating_point()
+    bad = ~torch.isfinite(flat_vals) if floating else torch.zeros_like(flat_vals, dtype=torch.bool)
+    first_bad = bad.reshape(-1).nonzero()
+    if first_bad.numel():
+        e, i = divmod(int(first_bad[0]), block)
+        offset = max(int(starts[e]) + i - max_elements // 2, 0)
+    else:
+        offset = int(starts[0]) if starts.numel() else 0
+    out = torch.zeros(max_elements, dtype=torch.float32)
+    hit = ((starts < offset + max_elements) & (starts + block > offset)).nonzero().reshape(-1)
+    for e in hit.tolist():  # at most max_elements / block + 2 entries
+        lo, hi = max(int(starts[e]), offset), min(int(starts[e]) + block, offset + max_elements)
+        out[lo - offset:hi - offset] = flat_vals[e, lo - int(starts[e]):hi - int(starts[e])].float()
+    numel = t.numel()
+    values = out[:max(min(max_elements, numel - offset), 0)].tolist()
+    return _slice_event(name, source, t, numel, offset, values,
+                        int(torch.isnan(vals).sum()) if floating else 0, int(torch.isinf(vals).sum()) if floating else 0)
+
+
+def _slice_event(name: str, source: str, t: torch.Tensor, numel: int, offset: int, values: list[float],
+                 nan_count: int, inf_count: int) -> dict:
     return {"name": name, "source": source, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-            "numel": flat.numel(), "offset": offset,
+            "numel": numel, "offset": offset,
             "values": [v if v == v and abs(v) != float("inf") else None for v in values],
-            "nan_count": int(torch.isnan(flat).sum()) if flat.is_floating_point() else 0,
-            "inf_count": int(torch.isinf(flat).sum()) if flat.is_floating_point() else 0}
+            "nan_count": nan_count, "inf_count": inf_count}
 
 
 class Snapshots:
@@ -57,9 +99,12 @@ class Snapshots:
         for name in names:
             if name in self.params:
                 p = self.params[name]
-                ev["tensors"].append(tensor_slice(name, "parameter", p, limit))
-                if p.grad is not None:
-                    ev["tensors"].append(tensor_slice(name, "gradient", p.grad, limit))
+                try:  # a tensor that cannot be read is missing, and the rest of the answer still goes
+                    ev["tensors"].append(tensor_slice(name, "parameter", p, limit))
+                    if p.grad is not None:
+                        ev["tensors"].append(tensor_slice(name, "gradient", p.grad, limit))
+                except Exception:  # noqa: BLE001
+                    ev["missing"].append(name)
             elif name in ("<input>", "<output>") or name in self.modules:
                 pending["left"] += 1
                 handles.append(self._arm(name, limit, pending))
