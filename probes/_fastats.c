@@ -778,6 +778,15 @@ static float lower_median(float *v, Py_ssize_t n)
 
 static inline float ratio_f(float num, float den) { return num / (den > 1e-30f ? den : 1e-30f); }
 
+/* Whether a row's energy per lookup was measured: it has been looked up here. A row of a replicated table
+ * that only other ranks look up is updated (its gradient is all-reduced) with no lookup here, and its energy
+ * stays 0: in the median it read as the typical row's, and the rows looked up here stood out by 1e28x
+ * (TableState.measured). */
+static inline int measured(const float *st)
+{
+    return st[6] > 0;
+}
+
 /* a row's zombie score, ln(noise) - consistency (TableState.zombie_score), from its state and the median energy */
 static inline float zombie_score(const float *st, float occ_ref)
 {
@@ -851,9 +860,10 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     Py_ssize_t nz = 0, nr = 0, nnf = 0, nd = 0, n_bad = 0, m = 0;
     double cosine = NAN;
     Py_BEGIN_ALLOW_THREADS
-    /* the fixed sample: medians of touches (rows updated) and of energy per lookup (eligible rows), the
-     * eligible rows whose consistency is negative, and which rows the collapse statistics read */
-    Py_ssize_t n_t = 0, n_occ = 0, neg = 0;
+    /* the fixed sample: medians of touches (rows updated) and of energy per lookup (eligible rows with one
+     * measured: looked up here, see measured()), the eligible rows whose consistency is negative, and which
+     * rows the collapse statistics read */
+    Py_ssize_t n_t = 0, n_occ = 0, n_el = 0, neg = 0;
     float *touched_v = scratch, *occ_v = scratch + n_sample, *score_v = scratch + 2 * n_sample;
     for (Py_ssize_t i = 0; i < n_sample; i++) {
         const float *st = state + sample[i] * C;
@@ -862,8 +872,10 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
         if (t > 0)
             touched_v[n_t++] = t;
         if (el) {
-            occ_v[n_occ++] = st[6];
+            n_el++;
             neg += st[2] < 0; /* consistency < 0: its numerator is */
+            if (measured(st))
+                occ_v[n_occ++] = st[6];
         }
         ok[i] = t > 0 && !b;
     }
@@ -907,7 +919,7 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
         Py_ssize_t n_s = 0;
         for (Py_ssize_t i = 0; i < n_sample; i++) { /* the eligible rows again (occ_v is reordered) */
             const float *st = state + sample[i] * C;
-            if (st[0] >= min_touches && !(st[7] > 0))
+            if (st[0] >= min_touches && !(st[7] > 0) && measured(st))
                 score_v[n_s++] = zombie_score(st, occ_median);
         }
         score_median = lower_median(score_v, n_s);
@@ -944,7 +956,7 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
                 continue;
             rc[n_rc++] = (ranked_t){t, row};
             r_past += t < rare_below;
-            if (t >= often && t >= min_touches) {
+            if (t >= often && t >= min_touches && measured(st)) {
                 const float score = zombie_score(st, occ_ref);
                 if (isfinite(score)) {
                     zc[n_zc++] = (ranked_t){-score, row};
@@ -1016,7 +1028,7 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     o += 3;
     for (Py_ssize_t i = 0; i < nd; i++)
         o[i] = (double)dl[i];
-    const double scalars[12] = {(double)counts[0], (double)counts[1], (double)counts[2], (double)neg, (double)n_occ,
+    const double scalars[12] = {(double)counts[0], (double)counts[1], (double)counts[2], (double)neg, (double)n_el,
                                 touch_median, untouched_bad, nan_count, inf_count, spread, score_median, score_spread};
     memcpy(out, scalars, sizeof scalars);
     Py_END_ALLOW_THREADS
@@ -1137,7 +1149,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 15
+#define FASTATS_VERSION 16
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

@@ -758,7 +758,7 @@ class TableState:
         ss = self.state[:, :8].index_select(0, self.sample).t()
         t = ss[0]
         self.touch_median = torch.where(t > 0, t, nan).nanmedian()
-        el = (t >= MIN_TOUCHES) & ~(ss[7] > 0)
+        el = (t >= MIN_TOUCHES) & ~(ss[7] > 0) & _measured(ss[6])
         self.occ_median = torch.where(el, ss[6], nan).nanmedian()
         return ss
 
@@ -776,7 +776,8 @@ class TableState:
         """Higher is more zombie-like: a row whose data pulls it harder than its peers' (log noise
         excess) and whose successive gradients reverse (negative consistency). Rows not eligible score
         -inf. Call refresh_medians() first."""
-        return _zombie_score(self.eligible(idx), self.noise_excess(idx), self.consistency_of(idx))
+        occ = self.occ_sq if idx is None else self.occ_sq.index_select(0, idx)
+        return _zombie_score(self.eligible(idx) & _measured(occ), self.noise_excess(idx), self.consistency_of(idx))
 
     # -- a report --------------------------------------------------------------------------------------
     def snapshot(self) -> torch.Tensor | None:
@@ -823,7 +824,7 @@ class TableState:
             return pos[keep]
 
         often = (t > 0) & (t >= torch.nan_to_num(self.touch_median, nan=inf))  # as the table's median row
-        zkey = _zombie_score(often & (t >= MIN_TOUCHES) & ~bad, cols[4], cols[2])
+        zkey = _zombie_score(often & (t >= MIN_TOUCHES) & ~bad & _measured(c[6]), cols[4], cols[2])
         zpos = ranked(zkey, True, torch.tensor(ZOMBIE_FLOOR, dtype=zkey.dtype, device=dev))
         rpos = ranked(torch.where((t > 0) & ~bad, t, inf), False, (RARE_FLOOR * self.touch_median).to(t.dtype))
         self.zombie_ids, self.rare_ids = cand.index_select(0, zpos), cand.index_select(0, rpos)
@@ -834,8 +835,8 @@ class TableState:
         # energy per lookup, and the collapse.
         el = (ss[0] >= MIN_TOUCHES) & ~(ss[7] > 0)
         neg = torch.stack([(el & (ss[2] < 0)).sum(), el.sum()])  # consistency < 0: its numerator < 0
-        spread = _log_spread(ss[6], el, self.occ_median)
-        scores = _score_spread(ss[6], ss[2], ss[3], el, self.occ_median)
+        spread = _log_spread(ss[6], el & _measured(ss[6]), self.occ_median)
+        scores = _score_spread(ss[6], ss[2], ss[3], el & _measured(ss[6]), self.occ_median)
         rank, cosine, sampled = self._collapse(sampled, (ss[0] > 0) & ~(ss[7] > 0))
         nf = self.nonfinite_ids.numel()
         if nf:  # on the worker, read a step or two after the report's step: a row gone NaN or inf stays so
@@ -948,6 +949,14 @@ def _counts(state_rows: torch.Tensor) -> torch.Tensor:
     """How many of these rows were updated at least once, are non-finite, are eligible."""
     t, bad = state_rows[:, 0], state_rows[:, 7] > 0
     return torch.stack([(t > 0).sum(), bad.sum(), ((t >= MIN_TOUCHES) & ~bad).sum()])
+
+
+def _measured(occ: torch.Tensor) -> torch.Tensor:
+    """Whether a row's energy per lookup was measured: it has been looked up here. A row of a replicated
+    table that only other ranks look up is updated (its gradient is all-reduced) with no lookup here, and
+    its energy stays 0: counted in the median energy, it read as the typical row's, and the rows looked up
+    here stood out by 1e28x, critical zombies (a 2-rank DDP recommender, tests/test_distributed.py)."""
+    return occ > 0
 
 
 def _zombie_score(eligible: torch.Tensor, noise: torch.Tensor, consistency: torch.Tensor) -> torch.Tensor:

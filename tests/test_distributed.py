@@ -41,8 +41,8 @@ JOBS = [
     # FSDP2 (fully_shard): each rank holds half of every parameter and of its gradient, as DTensors.
     {"rdzv_id": "fsdp2", "nproc": 2, "steps": 12, "interval": 2, "fsdp": True},
     # A recommender under DDP, each rank's data holding its own half of the items (tests/ddp_job.py).
-    {"rdzv_id": "recsys2", "nproc": 2, "steps": 100, "interval": 20, "recsys": True},
-    {"rdzv_id": "recsys2s", "nproc": 2, "steps": 100, "interval": 20, "recsys": True, "sparse": True},
+    {"rdzv_id": "recsys2", "nproc": 2, "steps": 300, "interval": 20, "recsys": True},
+    {"rdzv_id": "recsys2s", "nproc": 2, "steps": 300, "interval": 20, "recsys": True, "sparse": True},
 ]
 
 # The Trace Event Format's JSON object form, as documented by Chrome's trace viewer (and read by Perfetto):
@@ -154,10 +154,14 @@ def test_under_ddp_rows_other_ranks_look_up_are_not_dead_and_rows_no_rank_looks_
     Before, each rank counted the other half as never updated (210 rows), and since those rows had a
     gradient, said the table learns outside its lookups: the 20 items no rank's data holds were an info
     with the wrong cause (with sparse gradients, the other half was dead: a warning on 220 rows). Now every
-    rank counts the rows the optimizer moves, and names those 20."""
+    rank counts the rows the optimizer moves, and names those 20. Nothing else fires: the other half's
+    rows have no energy per lookup here, and counted in its median (0) they made every row this rank looks
+    up a critical zombie "1e28x" its peers (from step ~150)."""
     from tests.ddp_job import RECSYS_DEAD
 
-    dead = [a for a in _anomalies(jobs, run) if a["rule"] == "dead_embedding"]
+    found = _anomalies(jobs, run)
+    assert {a["rule"] for a in found} == {"dead_embedding"}, [(a["rule"], a["message"][:120]) for a in found]
+    dead = [a for a in found if a["rule"] == "dead_embedding"]
     assert [(a["severity"], a["evidence"]["table"]) for a in dead] == [("warning", "module.item.weight")], dead
     e = dead[0]["evidence"]
     assert (e["never_updated"], e["rows"], e["learns_outside_lookups"]) == (20, [float(i) for i in RECSYS_DEAD], False)

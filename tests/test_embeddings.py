@@ -166,6 +166,37 @@ def test_with_other_ranks_a_row_with_a_gradient_is_updated_whether_or_not_this_r
     probe.close()
 
 
+def test_with_other_ranks_rows_no_lookup_here_measured_are_left_out_of_the_energy_median(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row only other ranks look up has no energy per lookup here (0: not measured). Before, half the
+    sample's energies were those zeros: the median energy was 0, and every row this rank looks up pulled
+    "1e28x harder than the median row": critical zombies on a healthy 2-rank recommender. The median and
+    the zombie ranking read the rows looked up here; rows 20-39 stand in for the other ranks' (a term of
+    the loss on them, as the all-reduce adds)."""
+    monkeypatch.setattr(probes.embeddings, "_other_ranks", lambda: True)
+    torch.manual_seed(0)
+    model = Toy(rows=40, dim=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, sink = attach(model, opt, interval=20)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(100):
+        ids = torch.randint(0, 20, (32,), generator=gen)
+        targets, pull = torch.randn(32, generator=gen), torch.randn(20, 4, generator=gen)
+        loss = ((model(ids) - targets) ** 2).mean() + 0.05 * (model.table.weight[20:] * pull).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+    probe.flush()
+    t = table_state(probe)
+    assert (t.touches >= 60).all() and (t.occ_sq[:20] > 0).all() and (t.occ_sq[20:] == 0).all()
+    here = t.occ_sq[:20].sort().values
+    assert here[9] <= float(t.occ_median) <= here[10]  # the median of the rows looked up here, not 0
+    e = summaries(sink)[-1][1]["embedding"]
+    assert e["zombies"] and max(z["noise"] for z in e["zombies"]) < 5, e["zombies"]  # the worst listed: 1e28 before
+    probe.close()
+
+
 def test_the_rows_with_a_gradient_are_those_with_an_element_that_is_not_zero(path: str) -> None:
     """What a rank with other ranks reads as the rows of its step: a NaN or a subnormal element makes a row
     one, -0.0 does not (the kernel's bit test and the torch path's reductions agree)."""
