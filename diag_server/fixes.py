@@ -413,7 +413,10 @@ def _why_unanswered(run_row: sqlite3.Row, fix_row: sqlite3.Row, now: float) -> s
         return f"the job has not been heard from for {now - run_row['last_seen']:.0f}s (stale after {STALE_AFTER_S:.0f}s)"
     # Counted from the first reply that carried the command to the job (ingest.pending_commands): a job
     # stepping faster than its probe sends can run many steps between the request and its next batch.
-    asked_at = (orjson.loads(fix_row["verify"]) if fix_row["verify"] else {}).get("sent_at_step")
+    verify = orjson.loads(fix_row["verify"]) if fix_row["verify"] else {}
+    asked_at = verify.get("sent_at_step")
+    if isinstance(verify.get("scheduled_step"), int):  # a multi-rank job's ranks hold it until that step
+        asked_at = max(asked_at or 0, verify["scheduled_step"])
     if fix_row["pending_op"] == "apply" and isinstance(asked_at, int):
         start = orjson.loads(run_row["start"]) if run_row["start"] else {}
         interval = int((start.get("config") or {}).get("interval") or 50)

@@ -90,6 +90,8 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
             if ranks.started(conn, run, rank, ev):
                 conn.execute("UPDATE runs SET start=?, ended=0 WHERE run=?", (ev.model_dump_json(), run))
             obs.interval = int(ev.config.get("interval") or DEFAULT_INTERVAL)  # type: ignore[arg-type]
+        elif isinstance(ev, FixAck) and ev.status == "scheduled":
+            _schedule(conn, run, ev, now)
         elif isinstance(ev, FixAck):
             settled = ranks.gather_ack(conn, run, rank, ev)
             if settled is not None:
@@ -162,6 +164,22 @@ def pending_commands(conn: sqlite3.Connection, run: str) -> list[Command]:
                          (orjson.dumps({**verify, "sent_at_step": step}).decode(), r["id"]))
     return [Command(fix_id=r["id"], op=r["pending_op"], action=r["action"], params=orjson.loads(r["params"]))
             for r in rows] + evidence.pending(conn, run)
+
+
+def _schedule(conn: sqlite3.Connection, run: str, ack: FixAck, now: float) -> None:
+    """A rank holds the command for the step every rank applies it after: the job's answer is due from
+    that step on (fixes._why_unanswered), not from when the command went out. Every rank says the same step."""
+    row = conn.execute("SELECT verify FROM fixes WHERE id=? AND run=? AND pending_op=?",
+                       (ack.fix_id, run, ack.op)).fetchone()
+    if row is None:
+        return
+    verify = orjson.loads(row["verify"]) if row["verify"] else {}
+    if verify.get("scheduled_step") == ack.step:
+        return
+    conn.execute("UPDATE fixes SET verify=?, updated_at=? WHERE id=?",
+                 (orjson.dumps({**verify, "scheduled_step": ack.step}).decode(), now, ack.fix_id))
+    conn.execute("INSERT INTO audit(run, time, actor, action, fix_id, detail) VALUES (?,?,?,?,?,?)",
+                 (run, now, "job", "scheduled", ack.fix_id, orjson.dumps({"op": ack.op, "step": ack.step}).decode()))
 
 
 def _apply_ack(conn: sqlite3.Connection, run: str, ack: FixAck, now: float) -> None:

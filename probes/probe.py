@@ -24,6 +24,7 @@ import torch
 
 from . import fixes, signals
 from .capture import Capture
+from .agreement import Agreement
 from .amp import ScalerWatch
 from .collect import COLLECTIONS, Collection, HostCopy, Phases
 from .context import Clock, Timeline, UserSpan, new_user_spans, world
@@ -210,6 +211,10 @@ class Probe:
         self._amp = ScalerWatch(scaler) if scaler is not None else None  # GradScaler skips (probes.amp)
         self._applied: dict[str, fixes.Applied] = {}
         self._seen_commands: set[tuple[str, str]] = set()
+        # With other ranks, fixes wait for the step every rank applies them at (probes/agreement.py):
+        # (fix id, op) -> (the command, that step). The agreement is made at the first such command.
+        self._held: dict[tuple[str, str], tuple[dict, int]] = {}
+        self._agreement: Agreement | None | bool = False  # False: not looked for yet
         self._skipped_steps = 0
         # A snapshot that waits for a forward pass knocks on the inbox when it is done, so step() needs no
         # check of its own: the inbox check it already makes covers it.
@@ -233,6 +238,7 @@ class Probe:
         self._in_flight: list[HostCopy] = []
         self.pending_scalars: dict[str, float] = {}
         self.step_time_sum = 0.0
+        self._last_step_time: float | None = None
         self.step_time_max = 0.0
         self.steps_timed = 0
         self.prev_end: float | None = None
@@ -328,7 +334,7 @@ class Probe:
                 if step >= self._capture.last_step:
                     capture, self._capture = self._capture, None
                     self.sender.put(capture.finish(step))
-            if self._inbox:
+            if self._inbox or self._held:
                 self._apply_commands(step)
             self._step = step + 1
             if not (quiet and step + 1 < self._quiet_until):  # (a command may have ended the quiet steps)
@@ -568,8 +574,14 @@ class Probe:
             self._flush_scalars()
 
     def reset_step_times(self) -> None:
+        if self.steps_timed:
+            self._last_step_time = self.step_time_sum / self.steps_timed
         self.step_time_sum = self.step_time_max = 0.0
         self.steps_timed = 0
+
+    def _step_time(self) -> float | None:
+        """The mean time of a training step lately: since the last report, else over the interval before."""
+        return self.step_time_sum / self.steps_timed if self.steps_timed else self._last_step_time
 
     def _flush_scalars(self, sampled_step: int | None = None) -> None:
         """Send buffered losses and scalars. One host sync for all the loss tensors of the interval."""
@@ -651,7 +663,9 @@ class Probe:
             out[name] = dict(bounds)
         return out
 
-    def _apply_commands(self, step: int) -> None:
+    def _apply_commands(self, step: int, boundary: bool = True) -> None:
+        """The commands picked up, after training step ``step`` (``boundary``) or an eval step's; then the
+        fixes held for a step every rank applies them at, after that step."""
         while self._inbox:
             cmd = self._inbox.popleft()
             if cmd.get("op") == "capture":
@@ -670,7 +684,46 @@ class Probe:
                 if ev is not None:
                     self.sender.put(ev)
                 continue
-            self.sender.put(self._run_command(cmd, step))
+            agreement = self._ranks_agreement()
+            if agreement is None:
+                self.sender.put(self._run_command(cmd, step))
+                continue
+            try:
+                at = agreement.propose("/".join(key), step, self._step_time())
+            except Exception as e:  # noqa: BLE001 - the store is the process group's: failing, nothing is applied
+                self.sender.put(self._refusal(cmd, step, f"the ranks could not agree on a step: {e}"))
+                continue
+            self._held[key] = (cmd, at)
+            if step < at:  # the server waits for the answer from then on
+                self.sender.put({"kind": "fix_ack", "step": at, "time": time.time(), "fix_id": key[0], "op": key[1],
+                                 "status": "scheduled"})
+        if boundary:
+            for key, (cmd, at) in list(self._held.items()):
+                if step >= at:
+                    del self._held[key]
+                    self.sender.put(self._agreed(key, cmd, step, at))
+
+    def _ranks_agreement(self) -> Agreement | None:
+        if self._agreement is False:
+            self._agreement = Agreement.for_job(self.run, self.world["world_size"])
+        return self._agreement
+
+    def _agreed(self, key: tuple[str, str], cmd: dict, step: int, at: int) -> dict:
+        """A held command after the step the ranks agreed on: applied, or refused by all of them alike."""
+        try:
+            why = self._agreement.verdict("/".join(key), step, at)
+        except Exception as e:  # noqa: BLE001
+            why = f"the ranks could not agree: {e}"
+        if why is None:
+            return self._run_command(cmd, step)
+        return self._refusal(cmd, step, f"not applied: {why} (every rank applies a fix after the same step, "
+                                        "or none does); ask again")
+
+    @staticmethod
+    def _refusal(cmd: dict, step: int, reason: str) -> dict:
+        return {"kind": "fix_ack", "step": step, "time": time.time(), "fix_id": str(cmd.get("fix_id")),
+                "op": cmd.get("op", "apply"), "status": "rejected" if cmd.get("op", "apply") == "apply" else "failed",
+                "reason": reason}
 
     def _run_command(self, cmd: dict, step: int) -> dict:
         fix_id, op, action = str(cmd.get("fix_id")), cmd.get("op", "apply"), str(cmd.get("action"))
@@ -833,7 +886,7 @@ class Probe:
             if bad:
                 self._not_numbers("step", bad)
             if self._inbox:
-                self._apply_commands(self._step)
+                self._apply_commands(self._step, boundary=False)
         except Exception as e:  # noqa: BLE001
             self._degrade("mode_step", e)
         self._mode_stats[self._mode][3] = time.perf_counter()

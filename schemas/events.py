@@ -185,14 +185,16 @@ class TensorStats(_Model):
 
 
 class FixAck(_Model):
-    """The job's answer to a fix command: what it did, with the values before and after."""
+    """The job's answer to a fix command: what it did, with the values before and after. ``scheduled``: a
+    rank of a multi-rank job holds the command for the step every rank applies it after (``step``), and
+    its answer follows then (probes/agreement.py)."""
 
     kind: Literal["fix_ack"] = "fix_ack"
     step: Step
     time: Time
     fix_id: str = Field(max_length=64)
     op: Literal["apply", "revert"] = "apply"
-    status: Literal["applied", "rejected", "failed", "reverted"]
+    status: Literal["applied", "rejected", "failed", "reverted", "scheduled"]
     before: Params = Field(default_factory=dict)
     after: Params = Field(default_factory=dict)
     reason: str | None = Field(None, max_length=2000)

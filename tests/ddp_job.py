@@ -84,6 +84,47 @@ def recsys(rank: int, job: dict) -> None:
     _exit_rank()
 
 
+def fix_sync(rank: int, job: dict) -> None:
+    """The recsys model, a fix picked up by the ranks at different steps (``"inject": [step of rank 0, step of
+    rank 1]``, -1: never), from a MemorySink: each rank writes what it acknowledged and a checksum of its
+    parameters to fixsync-<rdzv_id>.rank<rank>.json in the working directory. Its lead is short
+    (``LEAD_S``), so that the agreed step comes within the job's steps."""
+    import hashlib
+    import json
+
+    from probes import agreement
+
+    agreement.LEAD_S = 0.5
+    model = DDP(MF(False))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    half = RECSYS_ITEMS // job["nproc"]
+    items = torch.tensor([i for i in range(rank * half, (rank + 1) * half) if i not in RECSYS_DEAD])
+    sink = probes.MemorySink()
+    probe = probes.attach(model, opt, sink=sink, collections={"embeddings": 5}, flush_interval=0.05,
+                          allow=["embedding_grad_scale"])
+    cmd = {"fix_id": "f-sync", "op": "apply", "action": "embedding_grad_scale",
+           "params": {"table": "module.item.weight", "mode": "update", "min_factor": 0.1}}
+    for step in range(job["steps"]):
+        if step == job["inject"][rank]:
+            sink.commands = [cmd]
+        u = torch.randint(0, 200, (128,), generator=g)
+        i = items[torch.randint(0, len(items), (128,), generator=g)]
+        target = 1.0 + (i < 40).float() * (torch.randint(0, 2, (128,), generator=g).float() * 6 - 3)  # noisy rows
+        loss = ((model(u, i) - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+    probe.close()
+    digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    acks = [e for e in sink.events if e["kind"] == "fix_ack"]
+    with open(f"fixsync-{job['rdzv_id']}.rank{rank}.json", "w") as f:
+        json.dump({"acks": acks, "params": digest}, f)
+    dist.destroy_process_group()
+    _exit_rank()
+
+
 def _exit_rank() -> None:
     """End the rank here, its probe closed (all it sends is sent) and its process group destroyed, before its
     model is freed. torch 2.13 tears down a DDP model with sparse gradients on gloo unreliably, with no probe
@@ -106,6 +147,9 @@ def train(rank: int, job: dict) -> None:
     torch.manual_seed(0)
     if job.get("recsys"):
         recsys(rank, job)
+        return
+    if job.get("fix_sync"):
+        fix_sync(rank, job)
         return
     data_sleep = _fault(job.get("slow_data"), rank)
     model = torch.nn.Sequential(Sleep(job.get("pace", 0.0) + _fault(job.get("slow_forward"), rank)),

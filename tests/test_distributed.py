@@ -43,7 +43,12 @@ JOBS = [
     # A recommender under DDP, each rank's data holding its own half of the items (tests/ddp_job.py).
     {"rdzv_id": "recsys2", "nproc": 2, "steps": 300, "interval": 20, "recsys": True},
     {"rdzv_id": "recsys2s", "nproc": 2, "steps": 300, "interval": 20, "recsys": True, "sparse": True},
+    # A fix the ranks pick up 100 steps apart (MemorySinks, no server: tests/ddp_job.py fix_sync), and one
+    # that rank 1 never gets.
+    {"rdzv_id": "fixsync", "nproc": 2, "steps": 700, "fix_sync": True, "inject": [50, 150]},
+    {"rdzv_id": "fixone", "nproc": 2, "steps": 700, "fix_sync": True, "inject": [50, -1]},
 ]
+SERVED = [j for j in JOBS if not j.get("fix_sync")]
 
 # The Trace Event Format's JSON object form, as documented by Chrome's trace viewer (and read by Perfetto):
 # complete events ("X") need ts and dur in microseconds, metadata events ("M") name processes and threads.
@@ -109,6 +114,7 @@ def jobs(srv: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         srv.capture = anyio.run(_mcp_capture, srv.url, "torchrun-cap2", launcher)
         out, _ = launcher.communicate(timeout=240)
         assert launcher.returncode == 0, out.decode()[-3000:]
+        srv.job_dir = tmp
         yield srv
     finally:
         if launcher.poll() is None:
@@ -127,8 +133,8 @@ def _anomalies(srv: ServerProcess, run: str) -> list[dict]:
 
 def test_every_rank_streams_into_one_run_named_by_torchrun(jobs: ServerProcess) -> None:
     runs = {r["run"]: r for r in _get(jobs, "/v1/runs")["runs"]}
-    assert {f"torchrun-{j['rdzv_id']}" for j in JOBS} <= set(runs)
-    assert all(runs[f"torchrun-{j['rdzv_id']}"]["status"] == "ended" for j in JOBS)  # only once every rank ended
+    assert {f"torchrun-{j['rdzv_id']}" for j in SERVED} <= set(runs)
+    assert all(runs[f"torchrun-{j['rdzv_id']}"]["status"] == "ended" for j in SERVED)  # only once every rank ended
     tl = _get(jobs, "/v1/runs/torchrun-ok4/timeline")
     assert [(r["rank"], r["local_rank"], r["world_size"]) for r in tl["ranks"]] == [(i, i, 4) for i in range(4)]
     assert all(r["host"] and r["last_step"] >= 22 for r in tl["ranks"])
@@ -171,6 +177,35 @@ def test_under_ddp_rows_other_ranks_look_up_are_not_dead_and_rows_no_rank_looks_
     for t in tables:  # every rank says the same of the rows
         assert t["summary"]["never_updated"] == 20 and t["summary"]["dead_ids"] == list(RECSYS_DEAD)
         assert not t["summary"].get("learns_outside_lookups")
+
+
+def _fix_sync(jobs: ServerProcess, job: str) -> list[dict]:
+    return [json.loads((jobs.job_dir / f"fixsync-{job}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_ranks_that_pick_a_fix_up_at_different_steps_apply_it_after_the_same_one(jobs: ServerProcess) -> None:
+    """DDP averages the gradients, never the parameters: a replica that applies a fix a few steps before
+    another stays apart from it. The ranks picked embedding_grad_scale up 100 steps apart; they agreed on
+    one step, computed the same factors for the same rows there, and end with the same weights. Without
+    the agreement, the same job's ranks applied it after steps 68 and 156, to 6 rows and to 2, and ended
+    apart (probes/agreement.py)."""
+    ranks = _fix_sync(jobs, "fixsync")
+    acks = [r["acks"] for r in ranks]
+    assert [[a["status"] for a in x] for x in acks] == [["scheduled", "applied"]] * 2, acks
+    (s0, a0), (s1, a1) = acks
+    assert s0["step"] == s1["step"] == a0["step"] == a1["step"] > 150  # said ahead, then done, after one step
+    assert a0["after"] == a1["after"] and a0["after"]["rows"] > 0
+    assert ranks[0]["params"] == ranks[1]["params"]
+
+
+def test_a_fix_not_every_rank_picked_up_in_time_is_refused_and_no_rank_applies_it(jobs: ServerProcess) -> None:
+    """Rank 1 never got it: rank 0 held it for the step the ranks would have applied it at, then refused it,
+    saying why; the replicas did not part."""
+    ranks = _fix_sync(jobs, "fixone")
+    (scheduled, ack), none = ranks[0]["acks"], ranks[1]["acks"]
+    assert none == [] and scheduled["status"] == "scheduled" and scheduled["step"] == ack["step"]
+    assert ack["status"] == "rejected" and "only 1 of 2 ranks had it" in ack["reason"], ack
+    assert ranks[0]["params"] == ranks[1]["params"]
 
 
 def test_fsdp2_ranks_report_the_shards_they_hold_and_together_the_whole_tensors(jobs: ServerProcess) -> None:

@@ -247,6 +247,27 @@ def test_rollback_cannot_be_reverted_and_an_ended_job_gets_a_clear_answer(store)
         fixes.apply(store, RUN, clip.id, "mcp:test")
 
 
+def test_a_fix_the_ranks_scheduled_is_waited_for_until_their_step(store):
+    """A multi-rank job's ranks hold a fix for the step they all apply it after (probes/agreement.py) and say
+    so: the server waits for their answer from that step on, not from when the command went out."""
+    from diag_server.ingest import _schedule
+    from schemas.events import FixAck
+
+    _run(store, last_step=300)
+    a = _anomaly(store, "oscillating_loss", {"median_jump": 0.8, "initial": 1.0})
+    fix = _propose(store, a)[0]
+    fixes.apply(store, RUN, fix.id, "mcp:agent")
+    store.write(lambda conn: pending_commands(conn, RUN))  # handed out at step 300
+    ack = FixAck(step=2000, time=time.time(), fix_id=fix.id, status="scheduled")
+    store.write(lambda conn: _schedule(conn, RUN, ack, time.time()))
+    _run(store, last_step=1500)  # far past the usual 50 steps, before the ranks' step
+    assert fixes.status(store, RUN, fix.id).status.value == "pending"
+    _run(store, last_step=2000 + 51)  # and then no answer
+    assert fixes.status(store, RUN, fix.id).status.value == "expired"
+    trail = store.read().execute("SELECT action, detail FROM audit WHERE fix_id=?", (fix.id,)).fetchall()
+    assert ("scheduled", {"op": "apply", "step": 2000}) in [(r[0], orjson.loads(r[1])) for r in trail]
+
+
 def test_a_pending_fix_the_job_never_acknowledges_expires_with_the_reason(store):
     _run(store, last_step=300)
     a = _anomaly(store, "oscillating_loss", {"median_jump": 0.8, "initial": 1.0})
