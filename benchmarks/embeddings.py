@@ -745,6 +745,35 @@ def ddp_overhead(repeats: int, steps: int) -> None:
               f"({', '.join(f'{r:.2f}' for r in ratios)})")
 
 
+def ddp_fix_bench(repeats: int) -> None:
+    """A live fix on 2 DDP ranks (gloo) that pick it up 100 steps apart (tests/ddp_job.py fix_sync: the
+    recsys model, embedding_grad_scale, MemorySinks): with the ranks agreeing on the step
+    (probes/agreement.py) and without. DDP never averages the parameters again: whether the replicas end
+    with the same weights is the figure."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    print(f"\n== a live fix under DDP: 2 gloo ranks pick embedding_grad_scale up at steps 50 and 150 (of 700); "
+          f"the ranks agreeing on the step vs each applying it when it picks it up; {repeats} jobs each ==")
+    for arm, on in (("agreed", True), ("as picked up", False)):
+        same, lines = 0, []
+        for k in range(repeats):
+            with tempfile.TemporaryDirectory() as tmp:
+                job = {"rdzv_id": f"fx{k}", "nproc": 2, "steps": 700, "fix_sync": True, "inject": [50, 150],
+                       "agreement": on}
+                env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+                subprocess.run([sys.executable, str(root / "tests" / "ddp_job.py"), json.dumps([job])], cwd=tmp,
+                               env=env, check=True, capture_output=True, timeout=600)
+                ranks = [json.loads((Path(tmp) / f"fixsync-fx{k}.rank{r}.json").read_text()) for r in range(2)]
+            applied = [next(a for a in r["acks"] if a["status"] == "applied") for r in ranks]
+            same += ranks[0]["params"] == ranks[1]["params"]
+            lines.append(" / ".join(f"rank {r}: after step {a['step']}, {a['after']['rows']} rows, factors "
+                                    f"{a['after']['min_factor']:.3f}-{a['after']['max_factor']:.3f}"
+                                    for r, a in enumerate(applied)))
+        print(f"{arm}: the replicas' weights equal at the end in {same} of {repeats} jobs; " + "; ".join(lines))
+
+
 # -- the agent's loop, through a real server ---------------------------------------------------------------
 def agent_bench(seeds: list[int], steps: int) -> None:
     """The recorded agent session's job (agent_examples.jobs.recommender_job: synthetic ratings, a broken join
@@ -795,7 +824,7 @@ def agent_bench(seeds: list[int], steps: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", nargs="?", default="all", choices=["all", "detect", "fix", "overhead", "ddp", "agent", "longtail"])
+    ap.add_argument("what", nargs="?", default="all", choices=["all", "detect", "fix", "overhead", "ddp", "ddp-fix", "agent", "longtail"])
     ap.add_argument("--quick", action="store_true", help="fewer epochs and seeds (a few minutes)")
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--epochs", type=int, default=None)
@@ -824,6 +853,9 @@ def main(argv: list[str] | None = None) -> int:
     epochs = args.epochs or (8 if args.quick else 30)
     if args.what == "agent":  # synthetic ratings: no MovieLens needed
         agent_bench(seeds, 1500 if args.quick else 3000)
+        return 0
+    if args.what == "ddp-fix":  # synthetic lookups: no MovieLens needed
+        ddp_fix_bench(repeats=2 if args.quick else 3)
         return 0
     if args.what == "ddp":  # synthetic lookups: no MovieLens needed
         ddp_overhead(repeats=3 if args.quick else 5, steps=100 if args.quick else 300)

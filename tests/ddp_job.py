@@ -88,13 +88,16 @@ def fix_sync(rank: int, job: dict) -> None:
     """The recsys model, a fix picked up by the ranks at different steps (``"inject": [step of rank 0, step of
     rank 1]``, -1: never), from a MemorySink: each rank writes what it acknowledged and a checksum of its
     parameters to fixsync-<rdzv_id>.rank<rank>.json in the working directory. Its lead is short
-    (``LEAD_S``), so that the agreed step comes within the job's steps."""
+    (``LEAD_S``), so that the agreed step comes within the job's steps. ``"agreement": false``: each rank
+    applies the fix when it picks it up, as before the ranks agreed (benchmarks/embeddings.py ddp-fix)."""
     import hashlib
     import json
 
     from probes import agreement
 
     agreement.LEAD_S = 0.5
+    if not job.get("agreement", True):
+        agreement.Agreement.for_job = classmethod(lambda cls, run, world_size: None)
     model = DDP(MF(False))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(rank)
