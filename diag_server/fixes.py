@@ -355,6 +355,7 @@ def apply(store: Store, run: str, fix_id: str, actor: str) -> Fix:
                      "updated_at=?, verify=? WHERE id=?",
                      (actor, now, orjson.dumps({"requested_at_step": row["last_step"]}).decode(), fix_id))
         _audit(conn, run, actor, "apply_requested", fix_id, {"action": fix.action.value})
+        conn.execute("DELETE FROM fix_acks WHERE fix_id=? AND op='apply'", (fix_id,))  # the ranks answer anew
         return get_fix(conn, run, fix_id)
 
     return store.write(write)
@@ -382,6 +383,7 @@ def revert(store: Store, run: str, fix_id: str, actor: str) -> Fix:
             raise ApiError(409, "job_unavailable", f"{fix_id} cannot be reverted: {why}. Nothing was changed.")
         conn.execute("UPDATE fixes SET pending_op='revert', updated_at=? WHERE id=?", (now, fix_id))
         _audit(conn, run, actor, "revert_requested", fix_id, {})
+        conn.execute("DELETE FROM fix_acks WHERE fix_id=? AND op='revert'", (fix_id,))
         return get_fix(conn, run, fix_id)
 
     return store.write(write)

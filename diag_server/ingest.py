@@ -162,8 +162,15 @@ def pending_commands(conn: sqlite3.Connection, run: str) -> list[Command]:
             step = conn.execute("SELECT last_step FROM runs WHERE run=?", (run,)).fetchone()[0] or 0
             conn.execute("UPDATE fixes SET verify=? WHERE id=?",
                          (orjson.dumps({**verify, "sent_at_step": step}).decode(), r["id"]))
-    return [Command(fix_id=r["id"], op=r["pending_op"], action=r["action"], params=orjson.loads(r["params"]))
-            for r in rows] + evidence.pending(conn, run)
+    return [Command(fix_id=r["id"], op=r["pending_op"], action=r["action"], params=orjson.loads(r["params"]),
+                    attempt=_attempt(conn, run, r["id"], r["pending_op"])) for r in rows] + evidence.pending(conn, run)
+
+
+def _attempt(conn: sqlite3.Connection, run: str, fix_id: str, op: str) -> int:
+    """How many times ``op`` was asked for this fix (its audit trail's requests; 1 at least)."""
+    n = conn.execute("SELECT count(*) FROM audit WHERE run=? AND fix_id=? AND action=?",
+                     (run, fix_id, f"{op}_requested")).fetchone()[0]
+    return max(int(n), 1)
 
 
 def _schedule(conn: sqlite3.Connection, run: str, ack: FixAck, now: float) -> None:

@@ -33,8 +33,8 @@ MIN_LEAD = 5  # steps
 
 
 class Agreement:
-    """The store's keys of one run, under ``traindx/<run>/``: per command (fix id and op) ``seen`` (a
-    counter), ``at`` and ``verdict`` (written once)."""
+    """The store's keys of one run, under ``traindx/<run>/``: per command (fix id, op and attempt: asked for
+    again, a fix is agreed on anew) ``seen`` (a counter), ``at`` and ``verdict`` (written once)."""
 
     def __init__(self, store: Any, world_size: int) -> None:
         self.store = store

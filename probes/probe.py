@@ -210,10 +210,10 @@ class Probe:
             self._target.schedulers = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
         self._amp = ScalerWatch(scaler) if scaler is not None else None  # GradScaler skips (probes.amp)
         self._applied: dict[str, fixes.Applied] = {}
-        self._seen_commands: set[tuple[str, str]] = set()
+        self._seen_commands: set[tuple[str, str, str]] = set()
         # With other ranks, fixes wait for the step every rank applies them at (probes/agreement.py):
-        # (fix id, op) -> (the command, that step). The agreement is made at the first such command.
-        self._held: dict[tuple[str, str], tuple[dict, int]] = {}
+        # (fix id, op, attempt) -> (the command, that step). The agreement is made at the first such command.
+        self._held: dict[tuple[str, str, str], tuple[dict, int]] = {}
         self._agreement: Agreement | None | bool = False  # False: not looked for yet
         self._skipped_steps = 0
         # A snapshot that waits for a forward pass knocks on the inbox when it is done, so step() needs no
@@ -675,9 +675,9 @@ class Probe:
                 for ev in self._snapshots.poll():
                     self.sender.put(ev)
                 continue
-            key = (str(cmd.get("fix_id")), str(cmd.get("op", "apply")))
+            key = (str(cmd.get("fix_id")), str(cmd.get("op", "apply")), str(cmd.get("attempt", 1)))
             if key in self._seen_commands:
-                continue  # the server resends until it sees our ack; apply once
+                continue  # the server resends until it sees our ack; apply once (a new attempt is a new request)
             self._seen_commands.add(key)
             if key[1] == "snapshot":
                 ev = self._snapshots.request(cmd, step)
@@ -708,7 +708,7 @@ class Probe:
             self._agreement = Agreement.for_job(self.run, self.world["world_size"])
         return self._agreement
 
-    def _agreed(self, key: tuple[str, str], cmd: dict, step: int, at: int) -> dict:
+    def _agreed(self, key: tuple[str, str, str], cmd: dict, step: int, at: int) -> dict:
         """A held command after the step the ranks agreed on: applied, or refused by all of them alike."""
         try:
             why = self._agreement.verdict("/".join(key), step, at)

@@ -360,6 +360,8 @@ class Command(_Model):
     op: Literal["apply", "revert", "snapshot"] = "apply"
     action: FixAction | None = Field(None, description="The fix action; null for a snapshot.")
     params: Params = Field(default_factory=dict)
+    attempt: int = Field(1, ge=1, description="How many times this op of this fix has been asked for: a job "
+                         "that answered an earlier attempt (a refusal) takes a later one as a new request.")
 
 
 class CaptureCommand(_Model):

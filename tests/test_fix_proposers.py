@@ -268,6 +268,28 @@ def test_a_fix_the_ranks_scheduled_is_waited_for_until_their_step(store):
     assert ("scheduled", {"op": "apply", "step": 2000}) in [(r[0], orjson.loads(r[1])) for r in trail]
 
 
+def test_a_refused_fix_asked_for_again_goes_out_again_as_a_new_attempt(store):
+    """Before, the job's answer to the first request stayed on record and the command was never sent again:
+    asked for again after a refusal, a fix only expired."""
+    from diag_server import ranks
+    from diag_server.ingest import _apply_ack
+    from schemas.events import FixAck
+
+    def sent():
+        return store.write(lambda conn: ranks.commands_for(conn, 0, pending_commands(conn, RUN)))
+
+    _run(store, last_step=300)
+    a = _anomaly(store, "oscillating_loss", {"median_jump": 0.8, "initial": 1.0})
+    fix = _propose(store, a)[0]
+    fixes.apply(store, RUN, fix.id, "mcp:agent")
+    assert [(c.fix_id, c.attempt) for c in sent()] == [(fix.id, 1)]
+    ack = FixAck(step=301, time=time.time(), fix_id=fix.id, status="rejected", reason="not applied: ask again")
+    store.write(lambda conn: _apply_ack(conn, RUN, ranks.gather_ack(conn, RUN, 0, ack), time.time()))
+    assert fixes.status(store, RUN, fix.id).status.value == "rejected" and sent() == []
+    assert fixes.apply(store, RUN, fix.id, "mcp:agent").status.value == "pending"
+    assert [(c.fix_id, c.attempt) for c in sent()] == [(fix.id, 2)]
+
+
 def test_a_pending_fix_the_job_never_acknowledges_expires_with_the_reason(store):
     _run(store, last_step=300)
     a = _anomaly(store, "oscillating_loss", {"median_jump": 0.8, "initial": 1.0})

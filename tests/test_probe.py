@@ -248,6 +248,27 @@ def test_fixes_apply_once_within_bounds_and_revert():
     assert sum(1 for e in sink.events if e["kind"] == "fix_ack" and e["fix_id"] == "f-1" and e["op"] == "apply") == 1
 
 
+def test_a_fix_refused_then_asked_for_again_is_a_new_request():
+    """The server resends a command until it hears back (applied once), but a fix asked for again after a
+    refusal comes as a new attempt, and is answered again: before, the job ignored it as a resend and the
+    server expired it."""
+    model, opt = _mlp()
+    sink = MemorySink()
+    probe = probes.attach(model, opt, run="retry", sink=sink, interval=1, allow={"lr_scale": {"max_factor": 2.0}})
+    sink.commands = [{"fix_id": "f-1", "action": "lr_scale", "params": {"factor": 50.0}}]  # beyond the bound
+    _train(probe, model, opt, 2)
+    probe.flush()
+    _train(probe, model, opt, 2)
+    sink.commands = [{"fix_id": "f-1", "action": "lr_scale", "params": {"factor": 0.5}, "attempt": 2},
+                     {"fix_id": "f-1", "action": "lr_scale", "params": {"factor": 0.5}, "attempt": 2}]  # resent
+    probe.flush()
+    _train(probe, model, opt, 2)
+    probe.close()
+    acks = [(e["status"], e.get("after")) for e in sink.events if e["kind"] == "fix_ack"]
+    assert acks == [("rejected", None), ("applied", {"lr": [0.025]})]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
 def test_probes_does_not_import_the_server():
     import subprocess
     code = ("import sys, probes; bad = [m for m in ('diag_server', 'fastapi', 'sqlite3', 'lxml', 'uvicorn', 'mcp') "
