@@ -136,6 +136,24 @@ def test_row_statistics_match_a_hand_computation(path: str) -> None:
     probe.close()
 
 
+def _beside_other_ranks(model: Toy, opt: torch.optim.Optimizer, probe: probes.Probe, n: int,
+                        ids: Callable[[torch.Generator], torch.Tensor], pulled: slice, weight: float) -> None:
+    """``n`` steps on this rank's lookups ``ids(gen)``, and what the all-reduce adds of the other ranks'
+    lookups, stood in for by a term of the loss pulling the rows ``pulled`` (``weight`` x a random pull a
+    step); then the queue flushed."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        x = ids(gen)
+        rows = model.table.weight[pulled]
+        targets, pull = torch.randn(x.numel(), generator=gen), torch.randn(rows.shape, generator=gen)
+        loss = ((model(x) - targets) ** 2).mean() + weight * (rows * pull).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        probe.step(loss=loss)
+    probe.flush()
+
+
 def test_with_other_ranks_a_row_with_a_gradient_is_updated_whether_or_not_this_rank_looked_it_up(
         path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under data parallelism the gradient is averaged across the ranks: rows only other ranks looked up have
@@ -147,16 +165,7 @@ def test_with_other_ranks_a_row_with_a_gradient_is_updated_whether_or_not_this_r
     model = Toy(rows=8, dim=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     probe, sink = attach(model, opt)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(30):
-        ids = torch.tensor([0, 1, 2, 3, 3])
-        targets, pull = torch.randn(5, generator=gen), torch.randn(2, 3, generator=gen)
-        loss = ((model(ids) - targets) ** 2).sum() + (model.table.weight[4:6] * pull).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        probe.step(loss=loss)
-    probe.flush()
+    _beside_other_ranks(model, opt, probe, 30, lambda gen: torch.tensor([0, 1, 2, 3, 3]), slice(4, 6), 1.0)
     t = table_state(probe)
     assert t.touches.tolist() == [30] * 6 + [0, 0]
     assert (t.occ_sq[:4] > 0).all() and t.occ_sq[4:].tolist() == [0] * 4
@@ -178,16 +187,8 @@ def test_with_other_ranks_rows_no_lookup_here_measured_are_left_out_of_the_energ
     model = Toy(rows=40, dim=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     probe, sink = attach(model, opt, interval=20)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(100):
-        ids = torch.randint(0, 20, (32,), generator=gen)
-        targets, pull = torch.randn(32, generator=gen), torch.randn(20, 4, generator=gen)
-        loss = ((model(ids) - targets) ** 2).mean() + 0.05 * (model.table.weight[20:] * pull).sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        probe.step(loss=loss)
-    probe.flush()
+    _beside_other_ranks(model, opt, probe, 100, lambda gen: torch.randint(0, 20, (32,), generator=gen), slice(20, 40),
+                        0.05)
     t = table_state(probe)
     assert (t.touches >= 60).all() and (t.occ_sq[:20] > 0).all() and (t.occ_sq[20:] == 0).all()
     here = t.occ_sq[:20].sort().values
