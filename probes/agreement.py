@@ -10,8 +10,8 @@ So, with other ranks, a fix's apply or revert is held, and the ranks agree throu
 key-value store (the one ``init_process_group`` rendezvoused on: no collective, so a rank that does
 not take part never blocks the others; a few store round trips a fix, none on other steps):
 
-- a rank picking the command up counts itself in (``seen``) and proposes a step a lead ahead of its own;
-  the first proposal stands (``at``), so every rank reads the same one;
+- a rank picking the command up proposes a step a lead ahead of its own; the first proposal stands
+  (``at``), so every rank reads the same one; it counts itself in (``seen``) unless it is past that step;
 - at that step, the first rank to get there writes the verdict: go if every rank had counted itself in,
   else abort; every rank reads that one verdict and applies the fix there, or refuses it with the reason.
 
