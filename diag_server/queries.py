@@ -150,6 +150,7 @@ def fix_from_row(r: sqlite3.Row) -> Fix:
                rationale=r["rationale"], expected_effect=r["expected_effect"] or "", risk=r["risk"], live=bool(r["live"]),
                rank=r["rank"], status=r["status"], reason=r["reason"], requested_by=r["requested_by"],
                created_at=r["created_at"], updated_at=r["updated_at"], applied_step=r["applied_step"],
+               scheduled_step=_json(r["verify"], {}).get("scheduled_step") if r["pending_op"] else None,
                before=_json(r["before"], {}), after=_json(r["after"], {}))
 
 

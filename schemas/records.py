@@ -58,6 +58,8 @@ class Fix(_Record):
     created_at: Time
     updated_at: Time
     applied_step: int | None = None
+    scheduled_step: int | None = Field(None, description="While pending in a multi-rank job: the step its ranks "
+                                       "agreed to apply (or revert) it after; the answer follows then.")
     before: Params = Field(default_factory=dict)
     after: Params = Field(default_factory=dict)
 

@@ -261,7 +261,8 @@ def test_a_fix_the_ranks_scheduled_is_waited_for_until_their_step(store):
     ack = FixAck(step=2000, time=time.time(), fix_id=fix.id, status="scheduled")
     store.write(lambda conn: _schedule(conn, RUN, ack, time.time()))
     _run(store, last_step=1500)  # far past the usual 50 steps, before the ranks' step
-    assert fixes.status(store, RUN, fix.id).status.value == "pending"
+    waiting = fixes.status(store, RUN, fix.id)
+    assert (waiting.status.value, waiting.scheduled_step) == ("pending", 2000)
     _run(store, last_step=2000 + 51)  # and then no answer
     assert fixes.status(store, RUN, fix.id).status.value == "expired"
     trail = store.read().execute("SELECT action, detail FROM audit WHERE fix_id=?", (fix.id,)).fetchall()
