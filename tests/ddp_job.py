@@ -134,7 +134,9 @@ def _exit_rank() -> None:
     attached (the recsys job's sparse configuration, on this machine): freed as the rank's function returns,
     2 runs in 6 hung (the process group's destructor joins its work threads with the GIL held, and they wait
     for it); freed before destroy_process_group, 1 in 8 aborted with "malloc(): unaligned tcache chunk
-    detected", the abort a CI run hit. Nothing after this point is what the tests are about."""
+    detected", the abort a CI run hit. (A later CI run hit it again with this exit in place, so not only at
+    the end: test_distributed.py runs that job apart, and once more if a rank is killed by a signal.)
+    Nothing after this point is what the tests are about."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

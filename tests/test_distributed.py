@@ -42,13 +42,14 @@ JOBS = [
     {"rdzv_id": "fsdp2", "nproc": 2, "steps": 12, "interval": 2, "fsdp": True},
     # A recommender under DDP, each rank's data holding its own half of the items (tests/ddp_job.py).
     {"rdzv_id": "recsys2", "nproc": 2, "steps": 300, "interval": 20, "recsys": True},
-    {"rdzv_id": "recsys2s", "nproc": 2, "steps": 300, "interval": 20, "recsys": True, "sparse": True},
     # A fix the ranks pick up 100 steps apart (MemorySinks, no server: tests/ddp_job.py fix_sync), and one
     # that rank 1 never gets.
     {"rdzv_id": "fixsync", "nproc": 2, "steps": 700, "fix_sync": True, "inject": [50, 150]},
     {"rdzv_id": "fixone", "nproc": 2, "steps": 700, "fix_sync": True, "inject": [50, -1]},
 ]
 SERVED = [j for j in JOBS if not j.get("fix_sync")]
+# The same with sparse gradients (SparseAdam), in a launcher of its own: see _run_apart.
+SPARSE_RECSYS = {"rdzv_id": "recsys2s", "nproc": 2, "steps": 300, "interval": 20, "recsys": True, "sparse": True}
 
 # The Trace Event Format's JSON object form, as documented by Chrome's trace viewer (and read by Perfetto):
 # complete events ("X") need ts and dur in microseconds, metadata events ("M") name processes and threads.
@@ -115,10 +116,31 @@ def jobs(srv: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         out, _ = launcher.communicate(timeout=240)
         assert launcher.returncode == 0, out.decode()[-3000:]
         srv.job_dir = tmp
+        srv.sparse_run = _run_apart(srv, SPARSE_RECSYS, tmp, env)
         yield srv
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def _run_apart(srv: ServerProcess, job: dict, cwd: Path, env: dict, attempts: int = 2) -> str:
+    """Run ``job`` in a launcher of its own; its run's name. torch 2.13's sparse all-reduce under DDP on gloo
+    has aborted a rank on a corrupted heap ("malloc(): unaligned tcache chunk detected"), with no probe
+    attached too (tests/ddp_job.py _exit_rank): 2 CI runs of the 4 that ran this job. A rank killed by a
+    signal runs the job again, once, under another run name (said on stdout); any other failure fails."""
+    out = ""
+    for k in range(attempts):
+        rdzv = job["rdzv_id"] if k == 0 else f"{job['rdzv_id']}-again{k}"
+        done = subprocess.run([sys.executable, str(ROOT / "tests" / "ddp_job.py"),
+                               json.dumps([{**job, "rdzv_id": rdzv, "server": srv.url}])],
+                              cwd=cwd, env=env, capture_output=True, timeout=240)
+        out = (done.stdout + done.stderr).decode()
+        if done.returncode == 0:
+            return f"torchrun-{rdzv}"
+        if "terminated with signal" not in out:
+            break
+        print(f"{rdzv}: a rank was killed by a signal; running the job again\n{out[-1500:]}")
+    raise AssertionError(out[-3000:])
 
 
 def _get(srv: ServerProcess, path: str, **params) -> dict:
@@ -153,9 +175,9 @@ def test_healthy_multi_rank_runs_raise_nothing(jobs: ServerProcess) -> None:
     assert found == [], [a["message"] for a in found]
 
 
-@pytest.mark.parametrize("run", ["torchrun-recsys2", "torchrun-recsys2s"], ids=["dense", "sparse"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_under_ddp_rows_other_ranks_look_up_are_not_dead_and_rows_no_rank_looks_up_are(jobs: ServerProcess,
-                                                                                      run: str) -> None:
+                                                                                      sparse: bool) -> None:
     """Each rank looks up its own half of the items, and DDP's all-reduce moves every row any rank looked up.
     Before, each rank counted the other half as never updated (210 rows), and since those rows had a
     gradient, said the table learns outside its lookups: the 20 items no rank's data holds were an info
@@ -165,6 +187,7 @@ def test_under_ddp_rows_other_ranks_look_up_are_not_dead_and_rows_no_rank_looks_
     up a critical zombie "1e28x" its peers (from step ~150)."""
     from tests.ddp_job import RECSYS_DEAD
 
+    run = jobs.sparse_run if sparse else "torchrun-recsys2"
     found = _anomalies(jobs, run)
     assert {a["rule"] for a in found} == {"dead_embedding"}, [(a["rule"], a["message"][:120]) for a in found]
     dead = [a for a in found if a["rule"] == "dead_embedding"]
