@@ -3,7 +3,7 @@
     pip install --no-deps recbole          # ships ML-100k as a text file; nothing is downloaded at run time
     PYTHONPATH=. python benchmarks/embeddings.py --quick          # a few minutes
     PYTHONPATH=. python benchmarks/embeddings.py                  # the full protocol (5 seeds, 30 epochs)
-    PYTHONPATH=. python benchmarks/embeddings.py detect|fix|overhead|ddp [--quick]
+    PYTHONPATH=. python benchmarks/embeddings.py detect|fix|overhead|ddp|ddp-fix [--quick]
     PYTHONPATH=. python benchmarks/embeddings.py agent            # the agent's loop through a real server
     PYTHONPATH=. python benchmarks/embeddings.py longtail         # the zombie rule on a 1M-row long-tailed table
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import orjson
 
 from schemas.enums import AnomalyKind, FixAction, FixStatus
+from schemas.events import FixAck
 from schemas.records import Anomaly, Fix, FixList
 
 from .errors import ApiError
@@ -427,6 +428,21 @@ def _why_unanswered(run_row: sqlite3.Row, fix_row: sqlite3.Row, now: float) -> s
             return (f"the job ran {run_row['last_step'] - asked_at} steps since it received the command without "
                     "acknowledging it (is its probe too old to know this action?)")
     return None
+
+
+def schedule(conn: sqlite3.Connection, run: str, ack: FixAck, now: float) -> None:
+    """A rank holds the command for the step every rank applies it after: the job's answer is due from
+    that step on (_why_unanswered), not from when the command went out. Every rank says the same step."""
+    row = conn.execute("SELECT verify FROM fixes WHERE id=? AND run=? AND pending_op=?",
+                       (ack.fix_id, run, ack.op)).fetchone()
+    if row is None:
+        return
+    verify = orjson.loads(row["verify"]) if row["verify"] else {}
+    if verify.get("scheduled_step") == ack.step:
+        return
+    conn.execute("UPDATE fixes SET verify=?, updated_at=? WHERE id=?",
+                 (orjson.dumps({**verify, "scheduled_step": ack.step}).decode(), now, ack.fix_id))
+    _audit(conn, run, "job", "scheduled", ack.fix_id, {"op": ack.op, "step": ack.step})
 
 
 def expire(conn: sqlite3.Connection, run: str, fix_id: str, op: str, why: str) -> None:

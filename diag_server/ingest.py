@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from schemas.events import (CaptureResult, Command, FixAck, IngestBatch, IngestReply, LayerProfiles, RunStart,
                             Scalars, Spans, TensorSnapshot, TensorStats)
 
-from . import captures, evidence, ranks
+from . import captures, evidence, fixes, ranks
 from .compression import store_profiles
 from .engine import Engine, loss_median
 from .errors import ApiError
@@ -91,7 +91,7 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
                 conn.execute("UPDATE runs SET start=?, ended=0 WHERE run=?", (ev.model_dump_json(), run))
             obs.interval = int(ev.config.get("interval") or DEFAULT_INTERVAL)  # type: ignore[arg-type]
         elif isinstance(ev, FixAck) and ev.status == "scheduled":
-            _schedule(conn, run, ev, now)
+            fixes.schedule(conn, run, ev, now)
         elif isinstance(ev, FixAck):
             settled = ranks.gather_ack(conn, run, rank, ev)
             if settled is not None:
@@ -171,22 +171,6 @@ def _attempt(conn: sqlite3.Connection, run: str, fix_id: str, op: str) -> int:
     n = conn.execute("SELECT count(*) FROM audit WHERE run=? AND fix_id=? AND action=?",
                      (run, fix_id, f"{op}_requested")).fetchone()[0]
     return max(int(n), 1)
-
-
-def _schedule(conn: sqlite3.Connection, run: str, ack: FixAck, now: float) -> None:
-    """A rank holds the command for the step every rank applies it after: the job's answer is due from
-    that step on (fixes._why_unanswered), not from when the command went out. Every rank says the same step."""
-    row = conn.execute("SELECT verify FROM fixes WHERE id=? AND run=? AND pending_op=?",
-                       (ack.fix_id, run, ack.op)).fetchone()
-    if row is None:
-        return
-    verify = orjson.loads(row["verify"]) if row["verify"] else {}
-    if verify.get("scheduled_step") == ack.step:
-        return
-    conn.execute("UPDATE fixes SET verify=?, updated_at=? WHERE id=?",
-                 (orjson.dumps({**verify, "scheduled_step": ack.step}).decode(), now, ack.fix_id))
-    conn.execute("INSERT INTO audit(run, time, actor, action, fix_id, detail) VALUES (?,?,?,?,?,?)",
-                 (run, now, "job", "scheduled", ack.fix_id, orjson.dumps({"op": ack.op, "step": ack.step}).decode()))
 
 
 def _apply_ack(conn: sqlite3.Connection, run: str, ack: FixAck, now: float) -> None:

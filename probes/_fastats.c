@@ -781,7 +781,7 @@ static inline float ratio_f(float num, float den) { return num / (den > 1e-30f ?
 /* Whether a row's energy per lookup was measured: it has been looked up here. A row of a replicated table
  * that only other ranks look up is updated (its gradient is all-reduced) with no lookup here, and its energy
  * stays 0: in the median it read as the typical row's, and the rows looked up here stood out by 1e28x
- * (TableState.measured). */
+ * (_measured in probes/embeddings.py). */
 static inline int measured(const float *st)
 {
     return st[6] > 0;

@@ -51,19 +51,21 @@ class Agreement:
             return None
         return cls(dist.PrefixStore(f"traindx/{run}/", store), world_size)
 
-    def propose(self, key: str, step: int, step_time: float | None) -> int:
+    def propose(self, key: tuple[str, ...], step: int, step_time: float | None) -> int:
         """The step the ranks apply ``key`` after (the first rank's proposal: a lead after its ``step``, the
         step just taken), this rank counted in only if that step is still ahead of it or now."""
         lead = MIN_LEAD if not step_time else max(MIN_LEAD, math.ceil(LEAD_S / step_time))
+        key = "/".join(key)
         at = int(self.store.compare_set(f"{key}/at", "", str(step + lead)))
         if step <= at:  # this rank will be there: it asks for the verdict after that step
             self.store.add(f"{key}/seen", 1)
         return at
 
-    def verdict(self, key: str, step: int, at: int) -> str | None:
+    def verdict(self, key: tuple[str, ...], step: int, at: int) -> str | None:
         """After step ``at`` (or past it, picked up late): None to apply, else why not. The first rank to ask
         writes the verdict: go only if every rank counted itself in, and so asks after that same step (the
         ranks step in lockstep: one that was past it when it picked the command up was not counted)."""
+        key = "/".join(key)
         seen = self.store.add(f"{key}/seen", 0)
         mine = ("go" if step == at and seen >= self.world_size else
                 f"only {seen} of {self.world_size} ranks had it by step {at}")

@@ -835,8 +835,9 @@ class TableState:
         # energy per lookup, and the collapse.
         el = (ss[0] >= MIN_TOUCHES) & ~(ss[7] > 0)
         neg = torch.stack([(el & (ss[2] < 0)).sum(), el.sum()])  # consistency < 0: its numerator < 0
-        spread = _log_spread(ss[6], el & _measured(ss[6]), self.occ_median)
-        scores = _score_spread(ss[6], ss[2], ss[3], el & _measured(ss[6]), self.occ_median)
+        el_measured = el & _measured(ss[6])
+        spread = _log_spread(ss[6], el_measured, self.occ_median)
+        scores = _score_spread(ss[6], ss[2], ss[3], el_measured, self.occ_median)
         rank, cosine, sampled = self._collapse(sampled, (ss[0] > 0) & ~(ss[7] > 0))
         nf = self.nonfinite_ids.numel()
         if nf:  # on the worker, read a step or two after the report's step: a row gone NaN or inf stays so

@@ -689,7 +689,7 @@ class Probe:
                 self.sender.put(self._run_command(cmd, step))
                 continue
             try:
-                at = agreement.propose("/".join(key), step, self._step_time())
+                at = agreement.propose(key, step, self._step_time())
             except Exception as e:  # noqa: BLE001 - the store is the process group's: failing, nothing is applied
                 self.sender.put(self._refusal(cmd, step, f"the ranks could not agree on a step: {e}"))
                 continue
@@ -711,7 +711,7 @@ class Probe:
     def _agreed(self, key: tuple[str, str, str], cmd: dict, step: int, at: int) -> dict:
         """A held command after the step the ranks agreed on: applied, or refused by all of them alike."""
         try:
-            why = self._agreement.verdict("/".join(key), step, at)
+            why = self._agreement.verdict(key, step, at)
         except Exception as e:  # noqa: BLE001
             why = f"the ranks could not agree: {e}"
         if why is None:

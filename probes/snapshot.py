@@ -32,9 +32,7 @@ def tensor_slice(name: str, source: str, t: torch.Tensor, max_elements: int) -> 
     # Centre the slice on the first NaN/Inf: that is where the evidence is.
     offset = max(int(first_bad[0]) - max_elements // 2, 0) if first_bad.numel() else 0
     values = flat[offset:offset + max_elements].float().tolist()
-    return _slice_event(name, source, t, flat.numel(), offset, values,
-                        int(torch.isnan(flat).sum()) if flat.is_floating_point() else 0,
-                        int(torch.isinf(flat).sum()) if flat.is_floating_point() else 0)
+    return _slice_event(name, source, t, flat.numel(), offset, values, flat)
 
 
 def _sparse_slice(name: str, source: str, t: torch.Tensor, max_elements: int) -> dict:
@@ -45,9 +43,8 @@ def _sparse_slice(name: str, source: str, t: torch.Tensor, max_elements: int) ->
     idx, vals = t.indices(), t.values()
     block = math.prod(vals.shape[1:])  # elements of one entry (its dense dims: an embedding row)
     # Each entry's first position in the flattened dense layout: its sparse index, row-major, times a block.
-    strides = torch.ones(idx.shape[0], dtype=torch.long, device=idx.device)
-    for d in range(idx.shape[0] - 2, -1, -1):
-        strides[d] = strides[d + 1] * t.shape[d + 1]
+    sparse_dims = idx.shape[0]
+    strides = torch.tensor([math.prod(t.shape[d + 1:sparse_dims]) for d in range(sparse_dims)], device=idx.device)
     starts = (idx * strides[:, None]).sum(0) * block
     flat_vals = vals.reshape(vals.shape[0], block)
     floating = vals.is_floating_point()
@@ -61,20 +58,23 @@ def _sparse_slice(name: str, source: str, t: torch.Tensor, max_elements: int) ->
     out = torch.zeros(max_elements, dtype=torch.float32)
     hit = ((starts < offset + max_elements) & (starts + block > offset)).nonzero().reshape(-1)
     for e in hit.tolist():  # at most max_elements / block + 2 entries
-        lo, hi = max(int(starts[e]), offset), min(int(starts[e]) + block, offset + max_elements)
-        out[lo - offset:hi - offset] = flat_vals[e, lo - int(starts[e]):hi - int(starts[e])].float()
+        start = int(starts[e])
+        lo, hi = max(start, offset), min(start + block, offset + max_elements)
+        out[lo - offset:hi - offset] = flat_vals[e, lo - start:hi - start].float()
     numel = t.numel()
     values = out[:max(min(max_elements, numel - offset), 0)].tolist()
-    return _slice_event(name, source, t, numel, offset, values,
-                        int(torch.isnan(vals).sum()) if floating else 0, int(torch.isinf(vals).sum()) if floating else 0)
+    return _slice_event(name, source, t, numel, offset, values, vals)
 
 
 def _slice_event(name: str, source: str, t: torch.Tensor, numel: int, offset: int, values: list[float],
-                 nan_count: int, inf_count: int) -> dict:
+                 stored: torch.Tensor) -> dict:
+    """The slice's event; its NaN and inf counts are those of ``stored``, the tensor's values."""
+    floating = stored.is_floating_point()
     return {"name": name, "source": source, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
             "numel": numel, "offset": offset,
             "values": [v if v == v and abs(v) != float("inf") else None for v in values],
-            "nan_count": nan_count, "inf_count": inf_count}
+            "nan_count": int(torch.isnan(stored).sum()) if floating else 0,
+            "inf_count": int(torch.isinf(stored).sum()) if floating else 0}
 
 
 class Snapshots:

@@ -58,38 +58,56 @@ RECSYS_ITEMS = 400
 RECSYS_DEAD = range(100, 120)  # items no rank's data holds
 
 
-def recsys(rank: int, job: dict) -> None:
+def _recsys(rank: int, job: dict, noisy: bool = False) -> tuple:
     """Data-parallel matrix factorisation where each rank's data holds its own half of the items (rank 0
     the ids below 200, rank 1 the rest), but for RECSYS_DEAD, in no rank's data: a rank looks up only its
     half, and DDP's all-reduce moves every row any rank looked up. ``"sparse": true``: sparse gradients
-    (reduced as the union of the ranks' rows) and SparseAdam."""
+    (reduced as the union of the ranks' rows) and SparseAdam. ``noisy``: items below 40 get a target of
+    -2 or 4 at random (rows whose updates reverse). The model, its optimizer, and a batch's loss."""
     sparse = job.get("sparse", False)
     model = DDP(MF(sparse))
     opt = (torch.optim.SparseAdam if sparse else torch.optim.Adam)(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(rank)
     half = RECSYS_ITEMS // job["nproc"]
     items = torch.tensor([i for i in range(rank * half, (rank + 1) * half) if i not in RECSYS_DEAD])
-    probe = probes.attach(model, opt, server=job["server"], collections={"embeddings": job.get("interval", 20)},
-                          flush_interval=0.1)
-    for _ in range(job.get("steps", 100)):
+
+    def batch_loss() -> torch.Tensor:
         u = torch.randint(0, 200, (128,), generator=g)
         i = items[torch.randint(0, len(items), (128,), generator=g)]
-        loss = ((model(u, i) - 1.0) ** 2).mean()
+        target = 1.0 + (i < 40).float() * (torch.randint(0, 2, (128,), generator=g).float() * 6 - 3) if noisy else 1.0
+        return ((model(u, i) - target) ** 2).mean()
+    return model, opt, batch_loss
+
+
+def _train_steps(opt: torch.optim.Optimizer, probe: probes.Probe, steps: int, batch_loss, before=None) -> None:  # noqa: ANN001
+    """``steps`` training steps (``before(step)`` first, when given), then the probe closed."""
+    for step in range(steps):
+        if before is not None:
+            before(step)
+        loss = batch_loss()
         opt.zero_grad()
         loss.backward()
         opt.step()
         probe.step(loss=loss)
     probe.close()
+
+
+def recsys(rank: int, job: dict) -> None:
+    """The recommender of _recsys, its probe sending to the job's server."""
+    model, opt, batch_loss = _recsys(rank, job)
+    probe = probes.attach(model, opt, server=job["server"], collections={"embeddings": job.get("interval", 20)},
+                          flush_interval=0.1)
+    _train_steps(opt, probe, job.get("steps", 100), batch_loss)
     dist.destroy_process_group()
     _exit_rank()
 
 
 def fix_sync(rank: int, job: dict) -> None:
-    """The recsys model, a fix picked up by the ranks at different steps (``"inject": [step of rank 0, step of
-    rank 1]``, -1: never), from a MemorySink: each rank writes what it acknowledged and a checksum of its
-    parameters to fixsync-<rdzv_id>.rank<rank>.json in the working directory. Its lead is short
-    (``LEAD_S``), so that the agreed step comes within the job's steps. ``"agreement": false``: each rank
-    applies the fix when it picks it up, as before the ranks agreed (benchmarks/embeddings.py ddp-fix)."""
+    """The recsys model with noisy rows, a fix picked up by the ranks at different steps (``"inject": [step
+    of rank 0, step of rank 1]``, -1: never), from a MemorySink: each rank writes what it acknowledged and a
+    checksum of its parameters to fixsync-<rdzv_id>.rank<rank>.json in the working directory. Its lead is
+    short (``LEAD_S``), so that the agreed step comes within the job's steps. ``"agreement": false``: each
+    rank applies the fix when it picks it up, as before the ranks agreed (benchmarks/embeddings.py ddp-fix)."""
     import hashlib
     import json
 
@@ -98,28 +116,17 @@ def fix_sync(rank: int, job: dict) -> None:
     agreement.LEAD_S = 0.5
     if not job.get("agreement", True):
         agreement.Agreement.for_job = classmethod(lambda cls, run, world_size: None)
-    model = DDP(MF(False))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(rank)
-    half = RECSYS_ITEMS // job["nproc"]
-    items = torch.tensor([i for i in range(rank * half, (rank + 1) * half) if i not in RECSYS_DEAD])
+    model, opt, batch_loss = _recsys(rank, job, noisy=True)
     sink = probes.MemorySink()
     probe = probes.attach(model, opt, sink=sink, collections={"embeddings": 5}, flush_interval=0.05,
                           allow=["embedding_grad_scale"])
     cmd = {"fix_id": "f-sync", "op": "apply", "action": "embedding_grad_scale",
            "params": {"table": "module.item.weight", "mode": "update", "min_factor": 0.1}}
-    for step in range(job["steps"]):
+
+    def inject(step: int) -> None:
         if step == job["inject"][rank]:
             sink.commands = [cmd]
-        u = torch.randint(0, 200, (128,), generator=g)
-        i = items[torch.randint(0, len(items), (128,), generator=g)]
-        target = 1.0 + (i < 40).float() * (torch.randint(0, 2, (128,), generator=g).float() * 6 - 3)  # noisy rows
-        loss = ((model(u, i) - target) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        probe.step(loss=loss)
-    probe.close()
+    _train_steps(opt, probe, job["steps"], batch_loss, inject)
     digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     acks = [e for e in sink.events if e["kind"] == "fix_ack"]
     with open(f"fixsync-{job['rdzv_id']}.rank{rank}.json", "w") as f:

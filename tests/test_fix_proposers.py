@@ -250,7 +250,6 @@ def test_rollback_cannot_be_reverted_and_an_ended_job_gets_a_clear_answer(store)
 def test_a_fix_the_ranks_scheduled_is_waited_for_until_their_step(store):
     """A multi-rank job's ranks hold a fix for the step they all apply it after (probes/agreement.py) and say
     so: the server waits for their answer from that step on, not from when the command went out."""
-    from diag_server.ingest import _schedule
     from schemas.events import FixAck
 
     _run(store, last_step=300)
@@ -259,7 +258,7 @@ def test_a_fix_the_ranks_scheduled_is_waited_for_until_their_step(store):
     fixes.apply(store, RUN, fix.id, "mcp:agent")
     store.write(lambda conn: pending_commands(conn, RUN))  # handed out at step 300
     ack = FixAck(step=2000, time=time.time(), fix_id=fix.id, status="scheduled")
-    store.write(lambda conn: _schedule(conn, RUN, ack, time.time()))
+    store.write(lambda conn: fixes.schedule(conn, RUN, ack, time.time()))
     _run(store, last_step=1500)  # far past the usual 50 steps, before the ranks' step
     waiting = fixes.status(store, RUN, fix.id)
     assert (waiting.status.value, waiting.scheduled_step) == ("pending", 2000)
