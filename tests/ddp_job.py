@@ -79,8 +79,9 @@ def _recsys(rank: int, job: dict, noisy: bool = False) -> tuple:
     return model, opt, batch_loss
 
 
-def _train_steps(opt: torch.optim.Optimizer, probe: probes.Probe, steps: int, batch_loss, before=None) -> None:  # noqa: ANN001
-    """``steps`` training steps (``before(step)`` first, when given), then the probe closed."""
+def train_steps(opt: torch.optim.Optimizer, probe: probes.Probe, steps: int, batch_loss, before=None) -> None:  # noqa: ANN001
+    """``steps`` training steps of ``batch_loss()`` (``before(step)`` first, when given), then the probe closed
+    (tests/test_embeddings.py uses it too)."""
     for step in range(steps):
         if before is not None:
             before(step)
@@ -97,7 +98,7 @@ def recsys(rank: int, job: dict) -> None:
     model, opt, batch_loss = _recsys(rank, job)
     probe = probes.attach(model, opt, server=job["server"], collections={"embeddings": job.get("interval", 20)},
                           flush_interval=0.1)
-    _train_steps(opt, probe, job.get("steps", 100), batch_loss)
+    train_steps(opt, probe, job.get("steps", 100), batch_loss)
     dist.destroy_process_group()
     _exit_rank()
 
@@ -126,7 +127,7 @@ def fix_sync(rank: int, job: dict) -> None:
     def inject(step: int) -> None:
         if step == job["inject"][rank]:
             sink.commands = [cmd]
-    _train_steps(opt, probe, job["steps"], batch_loss, inject)
+    train_steps(opt, probe, job["steps"], batch_loss, inject)
     digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     acks = [e for e in sink.events if e["kind"] == "fix_ack"]
     with open(f"fixsync-{job['rdzv_id']}.rank{rank}.json", "w") as f:

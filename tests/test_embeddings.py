@@ -11,6 +11,7 @@ from typing import Callable
 import httpx
 
 from tests.conftest import AUTH, sharded_job
+from tests.ddp_job import train_steps
 import pytest
 import torch
 
@@ -1744,17 +1745,6 @@ def test_a_table_sharded_with_fsdp2_is_left_out_and_the_run_says_why():
     assert not [m for m in out["messages"] if "probe error" in m]
 
 
-def steps(opt: torch.optim.Optimizer, probe: probes.Probe, n: int, batch_loss: Callable[[], torch.Tensor]) -> None:
-    """``n`` training steps of ``batch_loss``, then the probe closed."""
-    for _ in range(n):
-        loss = batch_loss()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        probe.step(loss=loss)
-    probe.close()
-
-
 def test_a_table_whose_statistics_would_not_fit_is_left_out_and_the_run_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-row statistics take ~105 bytes a row (a 40M-row table: ~4 GB). Attaching the probe must not run the
     job out of memory: a table past MAX_STATE_SHARE of its device's free memory is left out, as is one whose
@@ -1783,7 +1773,7 @@ def test_a_table_whose_statistics_would_not_fit_is_left_out_and_the_run_says_why
     model = Rec()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     probe, sink = attach(model, opt, interval=5)
-    steps(opt, probe, 11, lambda: ((model(torch.randint(0, 20, (16,)), torch.randint(0, 400, (16,))) - 1.0) ** 2).mean())
+    train_steps(opt, probe, 11, lambda: ((model(torch.randint(0, 20, (16,)), torch.randint(0, 400, (16,))) - 1.0) ** 2).mean())
     assert sorted({row["name"] for _, row in summaries(sink)}) == ["user.weight"]
     assert summaries(sink)[-1][1]["embedding"]["tracked_steps"] == 11
     [message] = [e["text"] for b in sink.batches for e in b["events"] if e["kind"] == "message"]
@@ -1804,7 +1794,7 @@ def test_a_table_on_the_meta_device_at_attach_is_left_out_and_the_run_says_why()
     torch.nn.init.normal_(model["deferred"].weight)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe.optimizer = opt
-    steps(opt, probe, 11, lambda: (model["deferred"](torch.randint(0, 100, (16,))).pow(2).mean()
+    train_steps(opt, probe, 11, lambda: (model["deferred"](torch.randint(0, 100, (16,))).pow(2).mean()
                                    + model["real"](torch.randint(0, 50, (16,))).pow(2).mean()))
     assert sorted({row["name"] for _, row in summaries(sink)}) == ["real.weight"]
     [message] = [e["text"] for b in sink.batches for e in b["events"] if e["kind"] == "message"]
