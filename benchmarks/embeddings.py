@@ -36,7 +36,7 @@ from diag_server.fixes import embedding_scale_params
 from diag_server.rules import Observations
 from diag_server.rules.embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
 from diag_server.rules.loss import Overfitting
-from probes.embeddings import Embeddings
+from probes.embeddings import ZOMBIE_FLOOR, Embeddings
 from schemas.enums import AnomalyKind, Severity
 
 BATCH = 256
@@ -267,6 +267,11 @@ def tail_rows(watch: Watch, table: str) -> int:
     return len(f.evidence["rows"]) if f and not f.evidence.get("stand_out", True) else 0
 
 
+def past_floor(t) -> int:
+    """How many rows the table's last report listed as conflicted with a run_noise of at least 2."""
+    return int((t.conflict_score(t.conflicted_ids) >= ZOMBIE_FLOOR).sum())
+
+
 def pr(found: set[int], truth: set[int]) -> tuple[float, float]:
     tp = len(found & truth)
     return (tp / len(found) if found else (1.0 if not truth else 0.0)), (tp / len(truth) if truth else 1.0)
@@ -308,7 +313,9 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
             print(f"seed {seed} (h) unplanted: zombie rows named by the last warning (in the run) "
                   + ", ".join(f"{t} {len(flagged(w, AnomalyKind.zombie_embedding, t))} "
                               f"({len(flagged(w, AnomalyKind.zombie_embedding, t, True))})" for t in TABLES)
-                  + "; as the table's tail (info) " + ", ".join(f"{t} {tail_rows(w, t)}" for t in TABLES))
+                  + "; as the table's tail (info) " + ", ".join(f"{t} {tail_rows(w, t)}" for t in TABLES)
+                  + "; listed conflicted with a run_noise of at least 2 (the report's floor) "
+                  + ", ".join(f"{t} {past_floor(table_of(run, t))}" for t in TABLES))
 
         # (b) 50 items (>= 20 training ratings, not the top 100) whose ratings flip for half of the users.
         pool = torch.nonzero(counts >= 20).reshape(-1)
@@ -321,16 +328,19 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
         controls = _matched(counts, conflict, exclude=cset | zset)
         in_conflict, in_controls = torch.isin(d.items, conflict), torch.isin(d.items, controls)
         by_epoch: dict[str, list[float]] = {"item.weight": [], "item_bias.weight": [], "fit": []}
+        by_epoch.update({f"{t} run": [] for t in ("item.weight", "item_bias.weight")})
 
-        def conflict_auc(t) -> float:
-            score = t.zombie_score()
+        def conflict_auc(t, score=None) -> float:
+            score = t.zombie_score() if score is None else score
             return auc(score[conflict].tolist(), score[controls].tolist())
 
         def read(epoch: int, model: MF, probe) -> None:
             # the score's AUC as the run goes, and how far the model has fitted the conflict: the conflict
             # items' training error over the controls' (1: fitted as well as the rest)
             for tname in ("item.weight", "item_bias.weight"):
-                by_epoch[tname].append(conflict_auc(probe.collections[0].table(tname)))
+                t = probe.collections[0].table(tname)
+                by_epoch[tname].append(conflict_auc(t))
+                by_epoch[f"{tname} run"].append(conflict_auc(t, t.conflict_score()))
             with torch.no_grad():
                 err = (model(d.users, d.items) - flipped) ** 2
             by_epoch["fit"].append(float(err[in_conflict].mean() / err[in_controls].mean()))
@@ -341,9 +351,15 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
             t = table_of(run, tname)
             msq = t.grad_sq
             am = auc(msq[conflict].tolist(), msq[controls].tolist())
+            listed = set(t.conflicted_ids.tolist())
+            past = set(t.conflicted_ids[t.conflict_score(t.conflicted_ids) >= ZOMBIE_FLOOR].tolist())
             print(f"seed {seed} (b) group conflict {tname}: AUC of zombie score {conflict_auc(t):.3f} "
                   f"(mean-squared-gradient score {am:.3f}; {len(controls)} popularity-matched controls); "
-                  f"at the end of each epoch {' '.join(f'{a:.2f}' for a in by_epoch[tname])}")
+                  f"at the end of each epoch {' '.join(f'{a:.2f}' for a in by_epoch[tname])}; "
+                  f"AUC of the run's record (run_noise) {conflict_auc(t, t.conflict_score()):.3f}, at the end of "
+                  f"each epoch {' '.join(f'{a:.2f}' for a in by_epoch[f'{tname} run'])}; the last report's "
+                  f"'conflicted' list: {len(listed & cset)} of its {len(listed)} rows planted, {len(past & cset)} of the "
+                  f"{len(past)} with a run_noise of at least 2")
         if run is not None:
             print(f"seed {seed} (b) the conflict items' training MSE over the controls' at the end of each epoch "
                   f"(1.00: fitted as well): {' '.join(f'{r:.2f}' for r in by_epoch['fit'])}")

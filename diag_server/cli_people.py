@@ -196,7 +196,8 @@ def register(main: click.Group) -> None:
     @_options
     def embeddings(run: str, table_name: str | None, rows: int, server: str, fmt: str | None) -> None:
         """A run's embedding tables as last reported: rows never updated or non-finite, update counts,
-        collapse statistics, and the rows most like zombies (noisy, reversing updates)."""
+        collapse statistics, the rows most like zombies (noisy, reversing updates), and those whose data has
+        pulled them hardest over the run (conflicting labels)."""
         c = _Cmd(server, fmt)
 
         def show() -> str:
@@ -216,6 +217,12 @@ def register(main: click.Group) -> None:
                             table(["ROW", "UPDATES", "NOISE", "CONSISTENCY", "SNR", "VELOCITY"],
                                   [[r.row, r.touches, r.noise, r.consistency, r.snr, r.velocity]
                                    for r in t.summary.zombies])]
+                conflicted = [r for r in t.summary.conflicted if r.run_noise is not None and r.run_noise >= 2]
+                if conflicted:  # the listed rows past the floor: a healthy table's filler rows are left out
+                    out += ["", f"{t.name} (rank {t.rank}): rows whose data has pulled them hardest over the run "
+                            "(run noise >= 2: conflicting labels, even once fitted), worst first",
+                            table(["ROW", "UPDATES", "RUN NOISE", "NOISE NOW", "REPORTS"],
+                                  [[r.row, r.touches, r.run_noise, r.noise, r.reports] for r in conflicted])]
                 if t.summary.dead_ids:
                     shown = ", ".join(str(i) for i in t.summary.dead_ids)
                     more = t.summary.never_updated - len(t.summary.dead_ids)

@@ -263,7 +263,7 @@ def build_router(services: Services) -> APIRouter:
     def embeddings(request: Request, run: str,
                    table: Annotated[str | None, Query(description="One table: 'item.weight' or 'item'.")] = None,
                    rows: Annotated[int, Query(ge=0, le=MAX_EMBEDDING_ROWS, description="Most rows listed per list "
-                                                                                     "(zombies, rarest, dead, non-finite).")] = 20,
+                                                                                     "(zombies, rarest, conflicted, dead, non-finite).")] = 20,
                    ) -> Response:
         return respond(request, queries.embeddings(store, run, table=table, rows=rows))
 

@@ -308,7 +308,7 @@ def embeddings(store: Store, run: str, *, table: str | None = None, rows: int = 
     tables = []
     for r in found:
         summary = orjson.loads(r["summary"])
-        for key in ("zombies", "rarest", "dead_ids", "nonfinite_ids"):
+        for key in ("zombies", "rarest", "conflicted", "dead_ids", "nonfinite_ids"):
             summary[key] = summary.get(key, [])[:rows]
         tables.append(EmbeddingTable(name=r["name"], rank=r["rank"], step=r["step"],
                                      summary=EmbeddingSummary.model_validate(summary)))

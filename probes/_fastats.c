@@ -818,17 +818,18 @@ static void row_columns(const float *st, float occ_ref, double *out, Py_ssize_t 
 static PyObject *
 fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
 {
-    unsigned long long state_p, w_p, inwin_p, counts_p, win_p, z_p, r_p, nf_p, d_p, sample_p, pad_p, out_p, x_p;
-    Py_ssize_t C, rows, dim, n_win, n_z, n_r, n_nf, n_d, n_sample, n_pad, k, dead_scan, n_x, n_least;
+    unsigned long long state_p, w_p, inwin_p, counts_p, win_p, z_p, r_p, nf_p, d_p, sample_p, pad_p, out_p, x_p, run_p,
+        c_p;
+    Py_ssize_t C, rows, dim, n_win, n_z, n_r, n_nf, n_d, n_sample, n_pad, k, dead_scan, n_x, n_least, n_c;
     double min_touches, mad_sigma, z_floor, r_floor;
-    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKnKnnnddKKnndd", &state_p, &C, &rows, &dim, &w_p, &inwin_p,
+    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKnKnnnddKKnnddKKn", &state_p, &C, &rows, &dim, &w_p, &inwin_p,
                           &counts_p, &win_p, &n_win, &z_p, &n_z, &r_p, &n_r, &nf_p, &n_nf, &d_p, &n_d, &sample_p,
                           &n_sample, &pad_p, &n_pad, &k, &dead_scan, &min_touches, &mad_sigma, &out_p, &x_p, &n_x,
-                          &n_least, &z_floor, &r_floor))
+                          &n_least, &z_floor, &r_floor, &run_p, &c_p, &n_c))
         return NULL;
     if (C < 8 || rows < 0 || dim <= 0 || n_win < 0 || n_z < 0 || n_z > k || n_r < 0 || n_r > k || n_nf < 0
         || n_nf > k || n_d < 0 || n_d > k || n_sample < 0 || n_pad < 0 || k < 0 || out_p == 0 || n_x < 0
-        || (x_p == 0 && n_x > 0) || n_least < 0) {
+        || (x_p == 0 && n_x > 0) || n_least < 0 || run_p == 0 || n_c < 0 || n_c > k || (c_p == 0 && n_c > 0)) {
         PyErr_SetString(PyExc_ValueError, "report_rows: bad arguments");
         return NULL;
     }
@@ -837,16 +838,19 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     const int64_t *counts = (const int64_t *)(uintptr_t)counts_p, *win = (const int64_t *)(uintptr_t)win_p;
     const int64_t *sample = (const int64_t *)(uintptr_t)sample_p, *pad = (const int64_t *)(uintptr_t)pad_p;
     int64_t *zl = (int64_t *)(uintptr_t)z_p, *rl = (int64_t *)(uintptr_t)r_p, *nfl = (int64_t *)(uintptr_t)nf_p;
-    int64_t *dl = (int64_t *)(uintptr_t)d_p;
+    int64_t *dl = (int64_t *)(uintptr_t)d_p, *cl = (int64_t *)(uintptr_t)c_p;
+    float *run = (float *)(uintptr_t)run_p;
     double *out = (double *)(uintptr_t)out_p;
     double *x = (double *)(uintptr_t)x_p, *xsum = calloc((size_t)dim, sizeof(double));
     float *scratch = malloc((size_t)(3 * n_sample + 1) * sizeof(float));
     uint8_t *ok = malloc((size_t)n_sample + 1); /* which rows of the sample were updated and are finite */
-    ranked_t *heaps = malloc((size_t)(2 * k + 1) * sizeof(ranked_t));
+    ranked_t *heaps = malloc((size_t)(3 * k + 1) * sizeof(ranked_t));
     const Py_ssize_t n_cand = n_win + n_z + n_r + n_nf;
     int64_t *bad = malloc((size_t)(n_cand + 1) * sizeof(int64_t));
     ranked_t *zc = malloc((size_t)(n_cand + 1) * sizeof(ranked_t)), *rc = malloc((size_t)(n_cand + 1) * sizeof(ranked_t));
-    if (scratch == NULL || ok == NULL || heaps == NULL || bad == NULL || xsum == NULL || zc == NULL || rc == NULL) {
+    ranked_t *cc = malloc((size_t)(n_win + n_c + 1) * sizeof(ranked_t));
+    if (scratch == NULL || ok == NULL || heaps == NULL || bad == NULL || xsum == NULL || zc == NULL || rc == NULL
+        || cc == NULL) {
         free(xsum);
         free(ok);
         free(scratch);
@@ -854,10 +858,11 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
         free(bad);
         free(zc);
         free(rc);
+        free(cc);
         return PyErr_NoMemory();
     }
     float touch_median, occ_median;
-    Py_ssize_t nz = 0, nr = 0, nnf = 0, nd = 0, n_bad = 0, m = 0;
+    Py_ssize_t nz = 0, nr = 0, nnf = 0, nd = 0, n_bad = 0, m = 0, nc = 0;
     double cosine = NAN;
     Py_BEGIN_ALLOW_THREADS
     /* the fixed sample: medians of touches (rows updated) and of energy per lookup (eligible rows with one
@@ -964,16 +969,50 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
                 }
             }
         }
+    /* the run's record (TableState._conflicts): each window row eligible with its energy measured adds its
+     * ln(noise); then the window and the previous conflicted list, each once (flag 4), are ranked by the
+     * mean, among the finite rows updated at least as often as the median row */
+    ranked_t *ch = heaps + 2 * k;
+    Py_ssize_t n_cc = 0, c_past = 0;
+    const int64_t *c_lists[2] = {win, cl};
+    const Py_ssize_t c_sizes[2] = {n_win, n_c};
+    for (int l = 0; l < 2; l++)
+        for (Py_ssize_t i = 0; i < c_sizes[l]; i++) {
+            const int64_t row = c_lists[l][i];
+            if (inwin[row] & 4)
+                continue;
+            inwin[row] |= 4;
+            const float *st = state + row * C;
+            const int b = st[7] > 0;
+            float *rr = run + 2 * row;
+            if (l == 0 && st[0] >= min_touches && !b && measured(st) && occ_ref < INFINITY) {
+                const float noise = ratio_f(st[6], occ_ref);
+                rr[0] += logf(noise > 1e-6f ? noise : 1e-6f);
+                rr[1] += 1.0f;
+            }
+            if (rr[1] > 0 && !b && st[0] >= often) {
+                const float score = rr[0] / (rr[1] > 1.0f ? rr[1] : 1.0f);
+                if (isfinite(score)) {
+                    cc[n_cc++] = (ranked_t){-score, row};
+                    c_past += score >= (float)z_floor;
+                }
+            }
+        }
     for (int l = 0; l < 4; l++) /* clear the flags: the window starts empty */
         for (Py_ssize_t i = 0; i < sizes[l]; i++)
             inwin[lists[l][i]] = 0;
-    const Py_ssize_t kz = listed(z_past, n_least, k), kr = listed(r_past, n_least, k);
+    for (Py_ssize_t i = 0; i < n_c; i++)
+        inwin[cl[i]] = 0;
+    const Py_ssize_t kz = listed(z_past, n_least, k), kr = listed(r_past, n_least, k), kc = listed(c_past, n_least, k);
     for (Py_ssize_t i = 0; i < n_zc; i++)
         heap_offer(zh, &nz, kz, zc[i]);
     for (Py_ssize_t i = 0; i < n_rc; i++)
         heap_offer(rh, &nr, kr, rc[i]);
+    for (Py_ssize_t i = 0; i < n_cc; i++)
+        heap_offer(ch, &nc, kc, cc[i]);
     qsort(zh, (size_t)nz, sizeof(ranked_t), ranked_cmp);
     qsort(rh, (size_t)nr, sizeof(ranked_t), ranked_cmp);
+    qsort(ch, (size_t)nc, sizeof(ranked_t), ranked_cmp);
     qsort(bad, (size_t)n_bad, sizeof(int64_t), id_cmp);
     nnf = n_bad < k ? n_bad : k;
 
@@ -1028,6 +1067,17 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     o += 3;
     for (Py_ssize_t i = 0; i < nd; i++)
         o[i] = (double)dl[i];
+    o += nd + 1; /* and the caller's flag: whether rows not looked up had a gradient */
+    for (Py_ssize_t i = 0; i < nc; i++) { /* the conflicted rows: ids, touches, noise, run_noise, reports */
+        const int64_t row = ch[i].id;
+        const float *st = state + row * C, *rr = run + 2 * row;
+        cl[i] = row;
+        o[i] = (double)row;
+        o[nc + i] = st[0];
+        o[2 * nc + i] = ratio_f(st[6], occ_ref);
+        o[3 * nc + i] = expf(rr[0] / (rr[1] > 1.0f ? rr[1] : 1.0f));
+        o[4 * nc + i] = rr[1];
+    }
     const double scalars[12] = {(double)counts[0], (double)counts[1], (double)counts[2], (double)neg, (double)n_el,
                                 touch_median, untouched_bad, nan_count, inf_count, spread, score_median, score_spread};
     memcpy(out, scalars, sizeof scalars);
@@ -1039,7 +1089,8 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     free(bad);
     free(zc);
     free(rc);
-    return Py_BuildValue("nnnnnddn", nz, nr, nnf, nd, dead_scan, (double)touch_median, (double)occ_median, m);
+    free(cc);
+    return Py_BuildValue("nnnnnddnn", nz, nr, nnf, nd, dead_scan, (double)touch_median, (double)occ_median, m, nc);
 }
 
 /* ---- a report's listed rows as the event's dicts (probes/embeddings.py, _decode) ----------------------
@@ -1149,7 +1200,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 16
+#define FASTATS_VERSION 17
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

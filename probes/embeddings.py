@@ -13,10 +13,17 @@ and updates them only for the rows a step touched:
                    across steps, not across the row's elements)
 - ``noise``        gradient energy per lookup over the table's median (> 1: the row's data pulls it
                    harder than its peers' data pulls them)
+- ``run_noise``    the row's noise over the run: the geometric mean of its noise at each report that found
+                   it updated (TableState.conflict_score). A row whose data conflicts (ratings that flip
+                   for a group of users) pulls hard until the model has fitted the conflict, and then its
+                   noise falls back towards 1; its run_noise keeps the record, as the area under the margin
+                   keeps that of mislabelled examples a network ends up memorising (Pleiss et al. 2020).
+                   Reports list the rows highest on it (``conflicted``).
 
 Memory is O(rows): one float32 tensor of 8 + 2k columns per table (eight scalars, the mean gradient and
 the previous innovation), 96 bytes a row whatever the table's width, and never a copy of the table
-(plus 9 bytes a row: the list of the rows changed since the last report, and a flag saying which).
+(plus 9 bytes a row: the list of the rows changed since the last report, and a flag saying which, and 8
+for run_noise's sum and count).
 Vectors are kept as random projections to k = min(``SKETCH_DIM``, width) dimensions
 (Johnson-Lindenstrauss: inner products and norms are preserved in expectation; exact when the table is
 at most ``SKETCH_DIM`` wide, e.g. bias tables).
@@ -123,7 +130,7 @@ WORKER_IDLE_S = 30.0
 # penalty on its norm, as an L2 term in the loss), not towards anything it learns (_look_outside).
 PARALLEL_COS = 0.99
 # The share of the memory free on a table's device (at attach) that its statistics may take: a larger table
-# is left out, and the run says so. At 105 bytes a row (below), a 40M-row table needs ~4.2 GB: attaching the
+# is left out, and the run says so. At 113 bytes a row (below), a 40M-row table needs ~4.5 GB: attaching the
 # probe must not run the job out of memory, then or later, when its own allocations grow.
 MAX_STATE_SHARE = 0.25
 # Tracked steps a table is checked for learning outside its lookups (_look_outside), at most: an output
@@ -145,8 +152,9 @@ def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, l
 
 
 def state_bytes_of(rows: int, dim: int, sketch_dim: int = SKETCH_DIM) -> int:
-    """What TableState keeps for a table: 8 + 2k float32 a row, and 9 bytes a row for the window."""
-    return rows * (4 * (8 + 2 * min(sketch_dim, dim)) + 9)
+    """What TableState keeps for a table: 8 + 2k float32 a row, 9 bytes a row for the window and 8 for the
+    run's record (run_noise)."""
+    return rows * (4 * (8 + 2 * min(sketch_dim, dim)) + 17)
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -260,12 +268,17 @@ class TableState:
         self._win = torch.empty(rows, dtype=torch.long, device=dev)
         self._win_n = 0
         self._inwin = torch.zeros(rows, dtype=torch.uint8, device=dev)
-        # The report's lists (zombies, rarest, non-finite, dead: TOP_ROWS each), kept in place: the native
+        # The report's lists (zombies, rarest, non-finite, dead, conflicted: TOP_ROWS each), kept in place: the native
         # report reads them and rewrites them (see _native_report), the torch one replaces them.
-        self._lists = torch.empty(4, min(TOP_ROWS, rows), dtype=torch.long, device=dev).unbind()
-        self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = (ids[:0] for ids in self._lists)
+        self._lists = torch.empty(5, min(TOP_ROWS, rows), dtype=torch.long, device=dev).unbind()
+        self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids, self.conflicted_ids = (
+            ids[:0] for ids in self._lists)
         self._collapse_rows: torch.Tensor | None = None  # the native report's, allocated at its first
         self.dead_scan = 0
+        # The run's record of each row's pull (conflict_score): the sum of ln(noise) over the reports that
+        # found the row updated since the one before (and eligible, its energy measured), and how many. The
+        # rows a report lists highest on it are the fifth list (conflicted_ids).
+        self._run = torch.zeros(rows, 2, device=dev)
         # Whether the weight learns outside the table's lookups (an output matrix, as in a full softmax over
         # its ids, or a functional call): rows not looked up in a step then have a gradient, and a row never
         # looked up is not one that never learns. Checked at the first tracked step after a report that
@@ -318,7 +331,8 @@ class TableState:
                             EMA_ALPHA, SLOW_ALPHA, MIN_TOUCHES)
 
     def state_bytes(self) -> int:
-        return self._state.numel() * self._state.element_size()
+        return (self._state.numel() * self._state.element_size() + self._run.numel() * self._run.element_size()
+                + self._win.numel() * self._win.element_size() + self._inwin.numel())
 
     @property
     def state(self) -> torch.Tensor:
@@ -779,6 +793,43 @@ class TableState:
         occ = self.occ_sq if idx is None else self.occ_sq.index_select(0, idx)
         return _zombie_score(self.eligible(idx) & _measured(occ), self.noise_excess(idx), self.consistency_of(idx))
 
+    def conflict_score(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """ln(run_noise): the mean ln(noise) of the row over the reports that found it updated (and
+        eligible); -inf for a row no report has scored. Higher is a row whose data has pulled it harder than
+        its peers' over the run, whether or not the model has since fitted it."""
+        _ = self.state  # the folds and reports in flight first (see state)
+        return _conflict_score(self._run if idx is None else self._run.index_select(0, idx))
+
+    def _conflicts(self, win: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+        """At a report, after the medians: add each row of the window (updated since the last report) that is
+        eligible, with its energy measured, its ln(noise) to the run's record; then rank the window and the
+        previous list by conflict_score, as the zombies are: of the finite rows updated at least as often as
+        the median row (a rarer row's energy is averaged over fewer lookups, and the model has fitted it less),
+        the worst LISTED_ROWS, and further ones up to ``k`` while at least ZOMBIE_FLOOR. Returns the packed
+        ids and four columns (touches, noise, run_noise, reports), and how many rows. ~12 operations over
+        the window and the list, on the table's device; reading the list's length is a host sync on CUDA,
+        as the other lists' are."""
+        dev, st = self.weight.device, self._state
+        c = st.index_select(0, win)
+        ref = self._occ_ref()
+        ok = (c[:, 0] >= MIN_TOUCHES) & ~(c[:, 7] > 0) & _measured(c[:, 6]) & torch.isfinite(ref)
+        ln = torch.log(_ratio(c[:, 6], ref).clamp_min(1e-6))
+        add = torch.stack([torch.where(ok, ln, torch.zeros_like(ln)), ok.to(ln.dtype)], dim=1)
+        self._run.index_add_(0, win, add)  # the window holds each row once
+        cand = torch.unique(torch.cat([win, self.conflicted_ids]))
+        score = _conflict_score(self._run.index_select(0, cand))
+        cs = st.index_select(0, cand)
+        often = (cs[:, 0] >= torch.nan_to_num(self.touch_median, nan=math.inf)) & ~(cs[:, 7] > 0)
+        score = torch.where(often, score, torch.full_like(score, -math.inf))
+        val, pos = torch.sort(score, descending=True, stable=True)  # cand is sorted: ties by row id
+        val, pos = val[:k], pos[:k]
+        keep = torch.isfinite(val) & ((torch.arange(val.numel(), device=dev) < LISTED_ROWS) | (val >= ZOMBIE_FLOOR))
+        pos = pos[keep]
+        ids = self.conflicted_ids = cand.index_select(0, pos)
+        rows, run = st.index_select(0, ids), self._run.index_select(0, ids)
+        cols = torch.stack([rows[:, 0], _ratio(rows[:, 6], ref), torch.exp(_conflict_score(run)), run[:, 1]])
+        return torch.cat([ids.to(torch.float64), cols.to(torch.float64).reshape(-1)]), ids.numel()
+
     # -- a report --------------------------------------------------------------------------------------
     def snapshot(self) -> torch.Tensor | None:
         """The sampled rows' values that a report's collapse statistics read, copied at the report's step
@@ -796,7 +847,7 @@ class TableState:
 
         Layout (see _decode): 12 scalars, the non-finite ids, the zombies' ids and five columns, the
         rarest's, the collapse statistics (3), the dead ids, whether rows not looked up had a gradient (1, 0;
-        NaN: not checked, see _look_outside)."""
+        NaN: not checked, see _look_outside), the conflicted rows' ids and four columns (_conflicts)."""
         if self.native and _kernel_reads(self.weight):
             return self._native_report(sampled)
         dev, w, f64 = self.weight.device, self.weight.detach(), torch.float64
@@ -852,8 +903,10 @@ class TableState:
                  torch.stack([rank, cosine, sampled]).to(f64), self.dead_ids.to(f64)]
         seen = self._outside_flag()
         parts.append(torch.full((1,), math.nan, dtype=f64, device=dev) if seen is None else seen.to(f64)[None])
+        conflicts, nc = self._conflicts(win, k)
+        parts.append(conflicts)
         plan = {"window": window, "dead": self.dead_ids.numel(), "nonfinite": nf,
-                "zombies": zpos.numel(), "rarest": rpos.numel()}
+                "zombies": zpos.numel(), "rarest": rpos.numel(), "conflicted": nc}
         return torch.cat(parts), plan
 
     def _native_report(self, sampled: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
@@ -861,31 +914,33 @@ class TableState:
         same ranking), but for the effective rank's eigenvalues. O(SAMPLE_ROWS + candidates x log TOP_ROWS),
         a few operations."""
         k = min(TOP_ROWS, self.rows)
-        z, r, nf, dead = self._lists  # the four lists view these (the torch report never ran here)
+        z, r, nf, dead, cl = self._lists  # the five lists view these (the torch report never ran here)
         window, self._win_n = self._win_n, 0  # the kernel clears the window's flags: it starts again empty
-        out = torch.empty(16 + 14 * k, dtype=torch.float64)
+        out = torch.empty(16 + 19 * k, dtype=torch.float64)
         # The collapse statistics' rows, as float64 (the kernel copies them in and sums their unit vectors).
         x = self._collapse_rows
         if x is None and self.dim >= 4:
             x = self._collapse_rows = torch.empty(min(COLLAPSE_SAMPLE, self.sample.numel()), self.dim,
                                                   dtype=torch.float64)
-        nz, nr, nnf, nd, self.dead_scan, touch_median, occ_median, m = stats._fastats.report_rows(
+        nz, nr, nnf, nd, self.dead_scan, touch_median, occ_median, m, nc = stats._fastats.report_rows(
             self._state.data_ptr(), self._state.shape[1], self.rows, self.dim, self.weight.data_ptr(),
             self._inwin.data_ptr(), self.counts.data_ptr(), self._win.data_ptr(), window,
             z.data_ptr(), self.zombie_ids.numel(), r.data_ptr(), self.rare_ids.numel(),
             nf.data_ptr(), self.nonfinite_ids.numel(), dead.data_ptr(), self.dead_ids.numel(),
             self.sample.data_ptr(), self.sample.numel(), self.padding.data_ptr(),
             self.padding.numel(), k, self.dead_scan, MIN_TOUCHES, MAD_SIGMA, out.data_ptr(),
-            0 if x is None else x.data_ptr(), 0 if x is None else x.shape[0], LISTED_ROWS, ZOMBIE_FLOOR, RARE_FLOOR)
+            0 if x is None else x.data_ptr(), 0 if x is None else x.shape[0], LISTED_ROWS, ZOMBIE_FLOOR, RARE_FLOOR,
+            self._run.data_ptr(), cl.data_ptr(), self.conflicted_ids.numel())
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = z[:nz], r[:nr], nf[:nnf], dead[:nd]
+        self.conflicted_ids = cl[:nc]
         self.touch_median, self.occ_median = torch.tensor(touch_median), torch.tensor(occ_median)
         at = 12 + nnf + 6 * (nz + nr)
         if m >= 2:  # the kernel wrote the mean cosine and the rows; the rank, from the rows' eigenvalues
             out[at] = _rank_of(torch.linalg.eigvalsh(_gram(x[:m])).tolist())
-        plan = {"window": window, "dead": nd, "nonfinite": nnf, "zombies": nz, "rarest": nr}
         seen = self._outside_flag()
         out[at + 3 + nd] = math.nan if seen is None else float(seen)
-        return out[:at + 4 + nd], plan
+        plan = {"window": window, "dead": nd, "nonfinite": nnf, "zombies": nz, "rarest": nr, "conflicted": nc}
+        return out[:at + 4 + nd + 5 * nc], plan
 
     def _refill_dead(self, k: int, chunk: int = 1 << 16) -> None:
         """Lowest-id finite rows never updated. A row once updated never becomes dead again, so the list
@@ -964,6 +1019,11 @@ def _zombie_score(eligible: torch.Tensor, noise: torch.Tensor, consistency: torc
     """log(noise excess) - consistency where ``eligible``, else -inf (TableState.zombie_score)."""
     score = torch.log(noise.clamp_min(1e-6)) - consistency
     return torch.where(eligible, score, torch.full_like(score, float("-inf")))
+
+
+def _conflict_score(run: torch.Tensor) -> torch.Tensor:
+    """The mean of (sum, count) rows of the run's record; -inf where the count is 0."""
+    return torch.where(run[:, 1] > 0, run[:, 0] / run[:, 1].clamp_min(1.0), torch.full_like(run[:, 0], -math.inf))
 
 
 def _log_spread(occ: torch.Tensor, eligible: torch.Tensor, median: torch.Tensor) -> torch.Tensor:
@@ -1070,6 +1130,8 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
     dead_idx = take(plan["dead"])
     if take(1)[0] == 1.0:  # rows not looked up had a gradient (see TableState._look_outside)
         table.outside = True
+    nc = plan["conflicted"]
+    conflicted_ids, touches, noise, run_noise, reports = take(nc), take(nc), take(nc), take(nc), take(nc)
 
     def rowlist(start: int, n: int) -> list[dict]:
         if stats._fastats is not None:
@@ -1096,6 +1158,8 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
         "rarest": rowlist(r_at, plan["rarest"]),
         "dead_ids": [int(i) for i in dead_idx],
         "nonfinite_ids": [int(i) for i in nf_idx],
+        "conflicted": [{"row": int(i), "touches": int(t), "noise": num(x), "run_noise": num(r), "reports": int(n)}
+                       for i, t, x, r, n in zip(conflicted_ids, touches, noise, run_noise, reports)],
     }
     if table.tied:
         summary["tied_to"] = list(table.tied)

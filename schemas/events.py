@@ -109,6 +109,21 @@ class EmbeddingRow(_Model):
                           "rows (> 1: its data pulls it harder than its peers' data pulls them).")
 
 
+class ConflictedRow(_Model):
+    """A row whose data has pulled it harder than its peers' over the run (EmbeddingSummary.conflicted)."""
+
+    row: int = Field(ge=0, description="Row index in the table.")
+    touches: int = Field(ge=0, description="Tracked steps in which the row was looked up and got a non-zero gradient.")
+    noise: Number = Field(None, description="The row's gradient energy per lookup over the median row's, now "
+                          "(EmbeddingRow.noise).")
+    run_noise: Number = Field(None, description="The geometric mean of the row's noise at each report that found it "
+                              "updated since the one before: how hard its data has pulled it, relative to its "
+                              "peers', over the run. A row whose data conflicts (its ratings flip for one group of "
+                              "users) keeps a high run_noise after the model has fitted the conflict and its noise "
+                              "has fallen back towards 1.")
+    reports: int = Field(0, ge=0, description="Reports run_noise averages over.")
+
+
 class EmbeddingSummary(_Model):
     """Per-table summary of the embeddings collection, with the worst rows of each kind."""
 
@@ -143,6 +158,12 @@ class EmbeddingSummary(_Model):
     rarest: list[EmbeddingRow] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
                                        description="Rows updated at least once, least often first: the rarest 32, "
                                        "and every further row updated under 2% as often as the median row, up to 256.")
+    conflicted: list[ConflictedRow] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
+                                            description="Rows highest on run_noise, worst first: the worst 32, and "
+                                            "every further row whose run_noise is at least 2, up to 256. Where the "
+                                            "zombies say which rows fight their data now, these say which rows' data "
+                                            "has disagreed all along: a data problem (conflicting or corrupted "
+                                            "labels) the model may have memorised since.")
     dead_ids: list[int] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
                                 description="Finite rows never updated, lowest ids first.")
     nonfinite_ids: list[int] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS)

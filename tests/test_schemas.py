@@ -18,8 +18,9 @@ from diag_server.xml import to_xml, xsd_schema
 from schemas import events, export, records
 from schemas import (
     Anomaly, AnomalyKind, AnomalyPage, AnomalyStatus, AuditEntry, AuditTrail, Cause, Collection, Command,
-    CompressionRecipe, Diagnosis, EmbeddingRow, EmbeddingSummary, Error, Fix, FixAck, FixAction, FixList, FixStatus,
-    Health, IngestBatch, IngestReply, LayerProfile, LayerProfiles, LayerRecipe, ModuleInfo, OptimizerInfo, ParamInfo,
+    CompressionRecipe, ConflictedRow, Diagnosis, EmbeddingRow, EmbeddingSummary, Error, Fix, FixAck, FixAction, FixList,
+    FixStatus, Health, IngestBatch, IngestReply, LayerProfile, LayerProfiles, LayerRecipe, ModuleInfo, OptimizerInfo,
+    ParamInfo,
     ProbeMessage, Run, RunEnd, RunList, RunMessage, RunStart, RunSummary, Scalars, Series, SeriesPoint, Severity, StatRow,
     TensorSlice, TensorSnapshot, TensorStats,
 )
@@ -72,9 +73,10 @@ CAUSE = Cause(anomaly_id="a-12", kind=AnomalyKind.exploding_gradient, step=40, t
               explanation="Learning rate too high for this depth.", consequences=["a-13", "a-14"])
 
 EMB_ROW = EmbeddingRow(row=17, touches=40, velocity=0.01, consistency=-0.8, snr=NAN)
+CONFLICTED_ROW = ConflictedRow(row=40, touches=210, noise=1.1, run_noise=3.4, reports=12)
 EMB_SUMMARY = EmbeddingSummary(rows=1682, dim=32, tracked_steps=300, touched_rows=1600, never_updated=50,
                                median_touches=12.0, effective_rank=None, mean_cosine=0.1, zombies=[EMB_ROW],
-                               rarest=[EMB_ROW], dead_ids=[3, 9], nonfinite_ids=[])
+                               rarest=[EMB_ROW], conflicted=[CONFLICTED_ROW], dead_ids=[3, 9], nonfinite_ids=[])
 SPAN = Span(name="allreduce", category="comm", start=1700000001.25, duration=0.012, gpu_duration=0.011)
 SPANS = Spans(step=10, time=1700000001.5, mode="eval", capture="c-1", spans=[SPAN, Span(name="preprocess", category="user",
                                                                           start=1700000001.0, duration=0.2)])
@@ -103,7 +105,7 @@ SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
     SLICE, SNAPSHOT,
     RUN_START, SCALARS, TENSOR_STATS, FIX_ACK, MESSAGE, RUN_END, LAYER_PROFILE, LAYER_PROFILES, COMMAND, MODULE, PARAM,
     OPTIMIZER, ROW,
-    ANOMALY, EMB_ROW, EMB_SUMMARY,
+    ANOMALY, EMB_ROW, CONFLICTED_ROW, EMB_SUMMARY,
     records.EmbeddingTable(name="item.weight", step=300, summary=EMB_SUMMARY),
     records.EmbeddingTables(run="mf-1", rows=20, tables=[records.EmbeddingTable(name="item.weight", rank=1, step=300,
                                                                                 summary=EMB_SUMMARY)]),

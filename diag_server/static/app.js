@@ -219,18 +219,22 @@ async function drawCharts() {
   embeddingTables(tables.tables);
 }
 
-// The run's embedding tables as last reported (the embeddings collection): one row a table, and the rows
-// most like zombies under it. Hidden when the run reports none.
+// The run's embedding tables as last reported (the embeddings collection): one row a table, the rows most
+// like zombies, and those whose data has pulled them hardest over the run (run noise of at least 2, as the
+// report's floor: a healthy table's filler rows are left out). Hidden when the run reports none.
 function embeddingTables(tables) {
   $("#embeddings tbody").replaceChildren(...tables.map((t) => {
     const s = t.summary;
     const worst = s.zombies.map((z) => `${z.row}: ${fmt(z.noise)}, ${fmt(z.consistency)}`).join(" · ");
+    const conflicted = (s.conflicted || []).filter((c) => c.run_noise !== null && c.run_noise >= 2)
+      .map((c) => `${c.row}: ${fmt(c.run_noise)}`).join(" · ");
     const name = (t.rank ? `${t.name} (rank ${t.rank})` : t.name)
       + (s.tied_to.length ? ` · tied to ${s.tied_to.join(", ")}`
         : s.learns_outside_lookups ? " · learns outside its lookups" : "");
     return el("tr", { "data-table": t.name, "data-rank": String(t.rank) },
       ...[name, t.step, s.rows, s.touched_rows, s.never_updated,
-          s.nonfinite_rows, s.median_touches, s.score_spread, s.effective_rank, s.mean_cosine, worst || "-"]
+          s.nonfinite_rows, s.median_touches, s.score_spread, s.effective_rank, s.mean_cosine, worst || "-",
+          conflicted || "-"]
         .map((v) => el("td", {}, typeof v === "string" ? v : v === null ? "-" : fmt(v)))); // null: not measured
   }));
   $("#embeddings-panel").hidden = !tables.length;
