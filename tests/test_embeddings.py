@@ -991,13 +991,14 @@ def test_zombie_rule_names_the_rows_whose_updates_reverse(path: str) -> None:
     probe.close()
     assert ZombieEmbedding().observe({}, obs_of(sink)) == []
 
-def test_rows_whose_data_pulled_hard_stay_listed_as_conflicted_once_it_no_longer_does(path: str) -> None:
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_rows_whose_data_pulled_hard_stay_listed_as_conflicted_once_it_no_longer_does(path: str, sparse: bool) -> None:
     """Rows 0-4 get conflicting targets (+2 and -2 in turn) for 400 steps, then the target the others have for 1200:
     their noise falls back to their peers', and the zombie list lets them go. Their run_noise keeps the
     record of the run, and the reports list them first as conflicted (a data conflict the model has since
-    fitted: benchmarks/embeddings.py, case b), on both paths."""
+    fitted: benchmarks/embeddings.py, case b), on both paths, with dense gradients and sparse ones."""
     torch.manual_seed(0)
-    model = Toy(rows=40, dim=4)
+    model = Toy(rows=40, dim=4, sparse=sparse)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     probe, sink = attach(model, opt, interval=20)
     planted, ids = set(range(5)), torch.arange(40)
