@@ -185,7 +185,8 @@ class ZombieEmbedding(Rule):
                            + ". Look for conflicting targets for these ids (labels that disagree, a broken join), "
                              "or a step too large for these rows (an adaptive optimizer's normalised step overshoots "
                              "on rows it updates rarely: a lower learning rate for the table); damping their updates "
-                             "(embedding_grad_scale) helps either way.")
+                             "(embedding_grad_scale) helps either way. The table's 'conflicted' rows (get_embeddings) "
+                             "are those whose data has pulled them hardest over the whole run, fitted since or not.")
             else:  # as many as the table's spread gives: its tail, not ids of their own
                 severity = Severity.info
                 message = (f"{count} learn nothing: {pulls}. A table of this spread of zombie scores has "
