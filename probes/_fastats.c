@@ -680,7 +680,8 @@ fastats_track_post(PyObject *Py_UNUSED(self), PyObject *args)
  * installs without this kernel), computed in two passes over the rows that matter: the fixed sample of
  * rows (medians, the share of eligible rows whose updates reverse, the collapse statistics' rows: copied
  * out as float64 for the caller's eigendecomposition, and their mean pairwise cosine) and the candidates
- * (the rows changed since the last report and the previous lists), ranked with a bounded heap.
+ * (the rows changed since the last report and the previous lists), ranked with a bounded heap; and the run's
+ * record of the rows changed (run_noise), with the conflicted list ranked from them and the previous one.
  * O(sample + candidates x log TOP_ROWS); the torch path's ~100 small operations a table cost more than the
  * arithmetic on the CPU.
  *
@@ -1175,7 +1176,8 @@ static PyMethodDef methods[] = {
      "step's distinct rows), flags them, and returns how many."},
     {"report_rows", fastats_report_rows, METH_VARARGS,
      "The lists and counts of an embedding table's report (see probes/embeddings.py, TableState._native_report)\n"
-     "-> (zombies, rarest, non-finite, dead, dead_scan, touch median, energy median)."},
+     "-> (zombies, rarest, non-finite, dead, dead_scan, touch median, energy median, collapse rows, conflicted);\n"
+     "it adds the window's rows to the run's record (TableState._conflicts) and ranks the conflicted list."},
     {"row_dicts", fastats_row_dicts, METH_VARARGS,
      "row_dicts(raw, at, n, keys) -> list of n dicts\n\n"
      "A report's listed rows (see probes/embeddings.py, _decode): six columns of n values of the list ``raw``\n"
