@@ -267,9 +267,9 @@ def tail_rows(watch: Watch, table: str) -> int:
     return len(f.evidence["rows"]) if f and not f.evidence.get("stand_out", True) else 0
 
 
-def past_floor(t) -> int:
-    """How many rows the table's last report listed as conflicted with a run_noise of at least 2."""
-    return int((t.conflict_score(t.conflicted_ids) >= ZOMBIE_FLOOR).sum())
+def past_floor(t) -> set[int]:
+    """The rows the table's last report listed as conflicted with a run_noise of at least 2."""
+    return set(t.conflicted_ids[t.conflict_score(t.conflicted_ids) >= ZOMBIE_FLOOR].tolist())
 
 
 def pr(found: set[int], truth: set[int]) -> tuple[float, float]:
@@ -315,7 +315,7 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
                               f"({len(flagged(w, AnomalyKind.zombie_embedding, t, True))})" for t in TABLES)
                   + "; as the table's tail (info) " + ", ".join(f"{t} {tail_rows(w, t)}" for t in TABLES)
                   + "; listed conflicted with a run_noise of at least 2 (the report's floor) "
-                  + ", ".join(f"{t} {past_floor(table_of(run, t))}" for t in TABLES))
+                  + ", ".join(f"{t} {len(past_floor(table_of(run, t)))}" for t in TABLES))
 
         # (b) 50 items (>= 20 training ratings, not the top 100) whose ratings flip for half of the users.
         pool = torch.nonzero(counts >= 20).reshape(-1)
@@ -352,7 +352,7 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
             msq = t.grad_sq
             am = auc(msq[conflict].tolist(), msq[controls].tolist())
             listed = set(t.conflicted_ids.tolist())
-            past = set(t.conflicted_ids[t.conflict_score(t.conflicted_ids) >= ZOMBIE_FLOOR].tolist())
+            past = past_floor(t)
             print(f"seed {seed} (b) group conflict {tname}: AUC of zombie score {conflict_auc(t):.3f} "
                   f"(mean-squared-gradient score {am:.3f}; {len(controls)} popularity-matched controls); "
                   f"at the end of each epoch {' '.join(f'{a:.2f}' for a in by_epoch[tname])}; "

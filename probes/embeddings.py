@@ -809,7 +809,7 @@ class TableState:
         ids and four columns (touches, noise, run_noise, reports), and how many rows. ~12 operations over
         the window and the list, on the table's device; reading the list's length is a host sync on CUDA,
         as the other lists' are."""
-        dev, st = self.weight.device, self._state
+        st = self._state
         c = st.index_select(0, win)
         ref = self._occ_ref()
         ok = (c[:, 0] >= MIN_TOUCHES) & ~(c[:, 7] > 0) & _measured(c[:, 6]) & torch.isfinite(ref)
@@ -820,11 +820,7 @@ class TableState:
         score = _conflict_score(self._run.index_select(0, cand))
         cs = st.index_select(0, cand)
         often = (cs[:, 0] >= torch.nan_to_num(self.touch_median, nan=math.inf)) & ~(cs[:, 7] > 0)
-        score = torch.where(often, score, torch.full_like(score, -math.inf))
-        val, pos = torch.sort(score, descending=True, stable=True)  # cand is sorted: ties by row id
-        val, pos = val[:k], pos[:k]
-        keep = torch.isfinite(val) & ((torch.arange(val.numel(), device=dev) < LISTED_ROWS) | (val >= ZOMBIE_FLOOR))
-        pos = pos[keep]
+        pos = _ranked(torch.where(often, score, torch.full_like(score, -math.inf)), k, True, ZOMBIE_FLOOR)
         ids = self.conflicted_ids = cand.index_select(0, pos)
         rows, run = st.index_select(0, ids), self._run.index_select(0, ids)
         cols = torch.stack([rows[:, 0], _ratio(rows[:, 6], ref), torch.exp(_conflict_score(run)), run[:, 1]])
@@ -866,18 +862,10 @@ class TableState:
         t, bad = c[0], c[7] > 0
         cols = torch.stack([t, c[1], _ratio(c[2], c[3]), _snr(c[4], c[5]), _ratio(c[6], occ_ref)])
 
-        def ranked(key: torch.Tensor, largest: bool, floor: torch.Tensor) -> torch.Tensor:
-            """The worst LISTED_ROWS, and further ones up to k while past ``floor``."""
-            val, pos = torch.sort(key, descending=largest, stable=True)  # cand is sorted: ties by row id
-            val, pos = val[:k], pos[:k]
-            keep = torch.isfinite(val) & ((torch.arange(val.numel(), device=dev) < LISTED_ROWS)
-                                          | (val >= floor if largest else val < floor))
-            return pos[keep]
-
         often = (t > 0) & (t >= torch.nan_to_num(self.touch_median, nan=inf))  # as the table's median row
         zkey = _zombie_score(often & (t >= MIN_TOUCHES) & ~bad & _measured(c[6]), cols[4], cols[2])
-        zpos = ranked(zkey, True, torch.tensor(ZOMBIE_FLOOR, dtype=zkey.dtype, device=dev))
-        rpos = ranked(torch.where((t > 0) & ~bad, t, inf), False, (RARE_FLOOR * self.touch_median).to(t.dtype))
+        zpos = _ranked(zkey, k, True, torch.tensor(ZOMBIE_FLOOR, dtype=zkey.dtype, device=dev))
+        rpos = _ranked(torch.where((t > 0) & ~bad, t, inf), k, False, (RARE_FLOOR * self.touch_median).to(t.dtype))
         self.zombie_ids, self.rare_ids = cand.index_select(0, zpos), cand.index_select(0, rpos)
         self.nonfinite_ids = cand[bad][:k]
         self._refill_dead(k)
@@ -1019,6 +1007,17 @@ def _zombie_score(eligible: torch.Tensor, noise: torch.Tensor, consistency: torc
     """log(noise excess) - consistency where ``eligible``, else -inf (TableState.zombie_score)."""
     score = torch.log(noise.clamp_min(1e-6)) - consistency
     return torch.where(eligible, score, torch.full_like(score, float("-inf")))
+
+
+def _ranked(key: torch.Tensor, k: int, largest: bool, floor: torch.Tensor | float) -> torch.Tensor:
+    """Positions in ``key`` (over candidates sorted by row id) of a report's list: the worst LISTED_ROWS of
+    the finite keys, and further ones up to ``k`` while past ``floor`` (at least it when ``largest``, else
+    below it). Ties go to the lower row id."""
+    val, pos = torch.sort(key, descending=largest, stable=True)
+    val, pos = val[:k], pos[:k]
+    keep = torch.isfinite(val) & ((torch.arange(val.numel(), device=key.device) < LISTED_ROWS)
+                                  | (val >= floor if largest else val < floor))
+    return pos[keep]
 
 
 def _conflict_score(run: torch.Tensor) -> torch.Tensor:

@@ -991,6 +991,7 @@ def test_zombie_rule_names_the_rows_whose_updates_reverse(path: str) -> None:
     probe.close()
     assert ZombieEmbedding().observe({}, obs_of(sink)) == []
 
+
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_rows_whose_data_pulled_hard_stay_listed_as_conflicted_once_it_no_longer_does(path: str, sparse: bool) -> None:
     """Rows 0-4 get conflicting targets (+2 and -2 in turn) for 400 steps, then the target the others have for 1200:
@@ -1782,7 +1783,7 @@ def test_a_table_sharded_with_fsdp2_is_left_out_and_the_run_says_why():
 
 
 def test_a_table_whose_statistics_would_not_fit_is_left_out_and_the_run_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Per-row statistics take ~105 bytes a row (a 40M-row table: ~4 GB). Attaching the probe must not run the
+    """Per-row statistics take ~113 bytes a row (a 40M-row table: ~4.5 GB). Attaching the probe must not run the
     job out of memory: a table past MAX_STATE_SHARE of its device's free memory is left out, as is one whose
     statistics fail to allocate; the others are tracked, the job trains on, and the run says which and why."""
     class Rec(torch.nn.Module):

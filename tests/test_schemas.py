@@ -20,9 +20,8 @@ from schemas import (
     Anomaly, AnomalyKind, AnomalyPage, AnomalyStatus, AuditEntry, AuditTrail, Cause, Collection, Command,
     CompressionRecipe, ConflictedRow, Diagnosis, EmbeddingRow, EmbeddingSummary, Error, Fix, FixAck, FixAction, FixList,
     FixStatus, Health, IngestBatch, IngestReply, LayerProfile, LayerProfiles, LayerRecipe, ModuleInfo, OptimizerInfo,
-    ParamInfo,
-    ProbeMessage, Run, RunEnd, RunList, RunMessage, RunStart, RunSummary, Scalars, Series, SeriesPoint, Severity, StatRow,
-    TensorSlice, TensorSnapshot, TensorStats,
+    ParamInfo, ProbeMessage, Run, RunEnd, RunList, RunMessage, RunStart, RunSummary, Scalars, Series, SeriesPoint,
+    Severity, StatRow, TensorSlice, TensorSnapshot, TensorStats,
 )
 from schemas import (
     Capture, CaptureCommand, CaptureList, CaptureRank, CaptureResult, ModuleShape, OpStat, OpSummary, RankInfo,
