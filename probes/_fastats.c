@@ -795,6 +795,13 @@ static inline float zombie_score(const float *st, float occ_ref)
     return logf(noise > 1e-6f ? noise : 1e-6f) - ratio_f(st[2], st[3]);
 }
 
+/* a row's conflict score from its run's record (sum, count, peak) of ln(noise) (TableState.conflict_score): the
+ * peak of the mean once ``settled`` reports have added to it, the mean before */
+static inline float run_score(const float *rr, Py_ssize_t settled)
+{
+    return rr[1] >= (float)settled ? rr[2] : rr[0] / (rr[1] > 1.0f ? rr[1] : 1.0f);
+}
+
 /* MAD_SIGMA x the median excess over ``centre`` of the values of v[0..n) above it (a robust standard deviation
  * of that side), reordering v; NaN when none is above */
 static float upper_spread(float *v, Py_ssize_t n, float centre, double mad_sigma)
@@ -821,16 +828,17 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
 {
     unsigned long long state_p, w_p, inwin_p, counts_p, win_p, z_p, r_p, nf_p, d_p, sample_p, pad_p, out_p, x_p, run_p,
         c_p;
-    Py_ssize_t C, rows, dim, n_win, n_z, n_r, n_nf, n_d, n_sample, n_pad, k, dead_scan, n_x, n_least, n_c;
+    Py_ssize_t C, rows, dim, n_win, n_z, n_r, n_nf, n_d, n_sample, n_pad, k, dead_scan, n_x, n_least, n_c, run_settled;
     double min_touches, mad_sigma, z_floor, r_floor;
-    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKnKnnnddKKnnddKKn", &state_p, &C, &rows, &dim, &w_p, &inwin_p,
+    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKnKnnnddKKnnddKKnn", &state_p, &C, &rows, &dim, &w_p, &inwin_p,
                           &counts_p, &win_p, &n_win, &z_p, &n_z, &r_p, &n_r, &nf_p, &n_nf, &d_p, &n_d, &sample_p,
                           &n_sample, &pad_p, &n_pad, &k, &dead_scan, &min_touches, &mad_sigma, &out_p, &x_p, &n_x,
-                          &n_least, &z_floor, &r_floor, &run_p, &c_p, &n_c))
+                          &n_least, &z_floor, &r_floor, &run_p, &c_p, &n_c, &run_settled))
         return NULL;
     if (C < 8 || rows < 0 || dim <= 0 || n_win < 0 || n_z < 0 || n_z > k || n_r < 0 || n_r > k || n_nf < 0
         || n_nf > k || n_d < 0 || n_d > k || n_sample < 0 || n_pad < 0 || k < 0 || out_p == 0 || n_x < 0
-        || (x_p == 0 && n_x > 0) || n_least < 0 || run_p == 0 || n_c < 0 || n_c > k || (c_p == 0 && n_c > 0)) {
+        || (x_p == 0 && n_x > 0) || n_least < 0 || run_p == 0 || n_c < 0 || n_c > k || (c_p == 0 && n_c > 0)
+        || run_settled < 1) {
         PyErr_SetString(PyExc_ValueError, "report_rows: bad arguments");
         return NULL;
     }
@@ -971,8 +979,9 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
             }
         }
     /* the run's record (TableState._conflicts): each window row eligible with its energy measured adds its
-     * ln(noise); then the window and the previous conflicted list, each once (flag 4), are ranked by the
-     * mean, among the finite rows updated at least as often as the median row */
+     * ln(noise), and its mean's highest is kept once run_settled reports have added; then the window and the
+     * previous conflicted list, each once (flag 4), are ranked by run_score, among the finite rows updated at
+     * least as often as the median row */
     ranked_t *ch = heaps + 2 * k;
     Py_ssize_t n_cc = 0, c_past = 0;
     const int64_t *c_lists[2] = {win, cl};
@@ -985,14 +994,16 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
             inwin[row] |= 4;
             const float *st = state + row * C;
             const int b = st[7] > 0;
-            float *rr = run + 2 * row;
+            float *rr = run + 3 * row;
             if (l == 0 && st[0] >= min_touches && !b && measured(st) && occ_ref < INFINITY) {
                 const float noise = ratio_f(st[6], occ_ref);
                 rr[0] += logf(noise > 1e-6f ? noise : 1e-6f);
                 rr[1] += 1.0f;
+                if (rr[1] >= (float)run_settled && rr[0] / rr[1] > rr[2])
+                    rr[2] = rr[0] / rr[1];
             }
             if (rr[1] > 0 && !b && st[0] >= often) {
-                const float score = rr[0] / (rr[1] > 1.0f ? rr[1] : 1.0f);
+                const float score = run_score(rr, run_settled);
                 if (isfinite(score)) {
                     cc[n_cc++] = (ranked_t){-score, row};
                     c_past += score >= (float)z_floor;
@@ -1071,12 +1082,12 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     o += nd + 1; /* and the caller's flag: whether rows not looked up had a gradient */
     for (Py_ssize_t i = 0; i < nc; i++) { /* the conflicted rows: ids, touches, noise, run_noise, reports */
         const int64_t row = ch[i].id;
-        const float *st = state + row * C, *rr = run + 2 * row;
+        const float *st = state + row * C, *rr = run + 3 * row;
         cl[i] = row;
         o[i] = (double)row;
         o[nc + i] = st[0];
         o[2 * nc + i] = ratio_f(st[6], occ_ref);
-        o[3 * nc + i] = expf(rr[0] / (rr[1] > 1.0f ? rr[1] : 1.0f));
+        o[3 * nc + i] = expf(run_score(rr, run_settled));
         o[4 * nc + i] = rr[1];
     }
     const double scalars[12] = {(double)counts[0], (double)counts[1], (double)counts[2], (double)neg, (double)n_el,
@@ -1202,7 +1213,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 17
+#define FASTATS_VERSION 18
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

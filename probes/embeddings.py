@@ -13,17 +13,18 @@ and updates them only for the rows a step touched:
                    across steps, not across the row's elements)
 - ``noise``        gradient energy per lookup over the table's median (> 1: the row's data pulls it
                    harder than its peers' data pulls them)
-- ``run_noise``    the row's noise over the run: the geometric mean of its noise at each report that found
-                   it updated (TableState.conflict_score). A row whose data conflicts (ratings that flip
-                   for a group of users) pulls hard until the model has fitted the conflict, and then its
-                   noise falls back towards 1; its run_noise keeps the record, as the area under the margin
-                   keeps that of mislabelled examples a network ends up memorising (Pleiss et al. 2020).
-                   Reports list the rows highest on it (``conflicted``).
+- ``run_noise``    the row's noise over the run: the geometric mean of its noise at the reports that found
+                   it updated, at its highest once RUN_SETTLED reports have (TableState.conflict_score). A
+                   row whose data conflicts (ratings that flip for a group of users) pulls hard until the
+                   model has fitted the conflict, and then its noise falls back towards 1; its run_noise
+                   keeps the record, as the area under the margin keeps that of mislabelled examples a
+                   network ends up memorising (Pleiss et al. 2020), and does not fade as the model goes on
+                   memorising them. Reports list the rows highest on it (``conflicted``).
 
 Memory is O(rows): one float32 tensor of 8 + 2k columns per table (eight scalars, the mean gradient and
 the previous innovation), 96 bytes a row whatever the table's width, and never a copy of the table
-(plus 9 bytes a row: the list of the rows changed since the last report, and a flag saying which, and 8
-for run_noise's sum and count).
+(plus 9 bytes a row: the list of the rows changed since the last report, and a flag saying which, and 12
+for run_noise's sum, count and peak).
 Vectors are kept as random projections to k = min(``SKETCH_DIM``, width) dimensions
 (Johnson-Lindenstrauss: inner products and norms are preserved in expectation; exact when the table is
 at most ``SKETCH_DIM`` wide, e.g. bias tables).
@@ -109,6 +110,12 @@ TOP_ROWS = 256
 LISTED_ROWS = 32
 ZOMBIE_FLOOR = math.log(2.0)
 RARE_FLOOR = 0.02
+# A row's run_noise is its running mean's peak once this many reports have measured it (before: the mean).
+# The mean alone fades once the model has memorised a conflict: on ML-100k's planted group conflict
+# (benchmarks/embeddings.py, case b) its AUC falls from 0.81-0.82 at 5 epochs to 0.66-0.73 at 30 under
+# Adam 1e-2; the peak holds 0.79-0.82 (docs/embeddings.md). Before ten readings the mean's standard error
+# is over a third of one reading's, and a peak over so few would be mostly noise.
+RUN_SETTLED = 10
 # Rows sampled for effective rank and mean pairwise cosine.
 COLLAPSE_SAMPLE = 512
 # A fixed random sample of each table's rows, for medians (touches, energy per lookup) and collapse.
@@ -152,9 +159,9 @@ def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, l
 
 
 def state_bytes_of(rows: int, dim: int, sketch_dim: int = SKETCH_DIM) -> int:
-    """What TableState keeps for a table: 8 + 2k float32 a row, 9 bytes a row for the window and 8 for the
+    """What TableState keeps for a table: 8 + 2k float32 a row, 9 bytes a row for the window and 12 for the
     run's record (run_noise)."""
-    return rows * (4 * (8 + 2 * min(sketch_dim, dim)) + 17)
+    return rows * (4 * (8 + 2 * min(sketch_dim, dim)) + 21)
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -276,9 +283,11 @@ class TableState:
         self._collapse_rows: torch.Tensor | None = None  # the native report's, allocated at its first
         self.dead_scan = 0
         # The run's record of each row's pull (conflict_score): the sum of ln(noise) over the reports that
-        # found the row updated since the one before (and eligible, its energy measured), and how many. The
-        # rows a report lists highest on it are the fifth list (conflicted_ids).
-        self._run = torch.zeros(rows, 2, device=dev)
+        # found the row updated since the one before (and eligible, its energy measured), how many, and the
+        # highest sum / count once RUN_SETTLED have. The rows a report lists highest on it are the fifth list
+        # (conflicted_ids).
+        self._run = torch.zeros(rows, 3, device=dev)
+        self._run[:, 2] = -math.inf
         # Whether the weight learns outside the table's lookups (an output matrix, as in a full softmax over
         # its ids, or a functional call): rows not looked up in a step then have a gradient, and a row never
         # looked up is not one that never learns. Checked at the first tracked step after a report that
@@ -795,8 +804,9 @@ class TableState:
 
     def conflict_score(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """ln(run_noise): the mean ln(noise) of the row over the reports that found it updated (and
-        eligible); -inf for a row no report has scored. Higher is a row whose data has pulled it harder than
-        its peers' over the run, whether or not the model has since fitted it."""
+        eligible), at its highest since RUN_SETTLED of them had; -inf for a row no report has scored. Higher is
+        a row whose data has pulled it harder than its peers' over the run, whether or not the model has since
+        fitted it."""
         _ = self.state  # the folds and reports in flight first (see state)
         return _conflict_score(self._run if idx is None else self._run.index_select(0, idx))
 
@@ -815,7 +825,11 @@ class TableState:
         ok = (c[:, 0] >= MIN_TOUCHES) & ~(c[:, 7] > 0) & _measured(c[:, 6]) & torch.isfinite(ref)
         ln = torch.log(_ratio(c[:, 6], ref).clamp_min(1e-6))
         add = torch.stack([torch.where(ok, ln, torch.zeros_like(ln)), ok.to(ln.dtype)], dim=1)
-        self._run.index_add_(0, win, add)  # the window holds each row once
+        run = self._run.index_select(0, win)
+        run[:, :2] += add  # the window holds each row once
+        mean = run[:, 0] / run[:, 1].clamp_min(1.0)
+        run[:, 2] = torch.where(ok & (run[:, 1] >= RUN_SETTLED), torch.maximum(run[:, 2], mean), run[:, 2])
+        self._run.index_copy_(0, win, run)
         cand = torch.unique(torch.cat([win, self.conflicted_ids]))
         score = _conflict_score(self._run.index_select(0, cand))
         cs = st.index_select(0, cand)
@@ -918,7 +932,7 @@ class TableState:
             self.sample.data_ptr(), self.sample.numel(), self.padding.data_ptr(),
             self.padding.numel(), k, self.dead_scan, MIN_TOUCHES, MAD_SIGMA, out.data_ptr(),
             0 if x is None else x.data_ptr(), 0 if x is None else x.shape[0], LISTED_ROWS, ZOMBIE_FLOOR, RARE_FLOOR,
-            self._run.data_ptr(), cl.data_ptr(), self.conflicted_ids.numel())
+            self._run.data_ptr(), cl.data_ptr(), self.conflicted_ids.numel(), RUN_SETTLED)
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = z[:nz], r[:nr], nf[:nnf], dead[:nd]
         self.conflicted_ids = cl[:nc]
         self.touch_median, self.occ_median = torch.tensor(touch_median), torch.tensor(occ_median)
@@ -1021,8 +1035,10 @@ def _ranked(key: torch.Tensor, k: int, largest: bool, floor: torch.Tensor | floa
 
 
 def _conflict_score(run: torch.Tensor) -> torch.Tensor:
-    """The mean of (sum, count) rows of the run's record; -inf where the count is 0."""
-    return torch.where(run[:, 1] > 0, run[:, 0] / run[:, 1].clamp_min(1.0), torch.full_like(run[:, 0], -math.inf))
+    """The scores of (sum, count, peak) rows of the run's record: the peak once the count is RUN_SETTLED, the
+    mean before; -inf where the count is 0."""
+    mean = torch.where(run[:, 1] > 0, run[:, 0] / run[:, 1].clamp_min(1.0), torch.full_like(run[:, 0], -math.inf))
+    return torch.where(run[:, 1] >= RUN_SETTLED, run[:, 2], mean)
 
 
 def _log_spread(occ: torch.Tensor, eligible: torch.Tensor, median: torch.Tensor) -> torch.Tensor:

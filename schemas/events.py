@@ -116,11 +116,11 @@ class ConflictedRow(_Model):
     touches: int = Field(ge=0, description="Tracked steps in which the row was looked up and got a non-zero gradient.")
     noise: Number = Field(None, description="The row's gradient energy per lookup over the median row's, now "
                           "(EmbeddingRow.noise).")
-    run_noise: Number = Field(None, description="The geometric mean of the row's noise at each report that found it "
-                              "updated since the one before: how hard its data has pulled it, relative to its "
-                              "peers', over the run. A row whose data conflicts (its ratings flip for one group of "
-                              "users) keeps a high run_noise after the model has fitted the conflict and its noise "
-                              "has fallen back towards 1.")
+    run_noise: Number = Field(None, description="The geometric mean of the row's noise at the reports that found it "
+                              "updated since the one before, at its highest once 10 reports had: how hard its data "
+                              "has pulled it, relative to its peers', over the run. A row whose data conflicts (its "
+                              "ratings flip for one group of users) keeps a high run_noise after the model has "
+                              "fitted the conflict and its noise has fallen back towards 1.")
     reports: int = Field(0, ge=0, description="Reports run_noise averages over.")
 
 
