@@ -812,11 +812,12 @@ class TableState:
 
     def _conflicts(self, win: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
         """At a report, after the medians: add each row of the window (updated since the last report) that is
-        eligible, with its energy measured, its ln(noise) to the run's record; then rank the window and the
-        previous list by conflict_score, as the zombies are: of the finite rows updated at least as often as
-        the median row (a rarer row's energy is averaged over fewer lookups, and the model has fitted it less),
-        the worst LISTED_ROWS, and further ones up to ``k`` while at least ZOMBIE_FLOOR. Returns the packed
-        ids and four columns (touches, noise, run_noise, reports), and how many rows. ~12 operations over
+        eligible, with its energy measured, its ln(noise) to the run's record (and the mean's peak, once
+        RUN_SETTLED have added); then rank the window and the previous list by conflict_score, as the zombies
+        are: of the finite rows updated at least as often as the median row (a rarer row's energy is averaged
+        over fewer lookups, and the model has fitted it less), the worst LISTED_ROWS, and further ones up to
+        ``k`` while at least ZOMBIE_FLOOR. Returns the packed ids and four columns (touches, noise, run_noise,
+        reports), and how many rows. ~15 operations over
         the window and the list, on the table's device; reading the list's length is a host sync on CUDA,
         as the other lists' are."""
         st = self._state
