@@ -36,7 +36,7 @@ from diag_server.fixes import embedding_scale_params
 from diag_server.rules import Observations
 from diag_server.rules.embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
 from diag_server.rules.loss import Overfitting
-from probes.embeddings import ZOMBIE_FLOOR, Embeddings
+from probes.embeddings import CONFLICT_FLOOR, Embeddings
 from schemas.enums import AnomalyKind, Severity
 
 BATCH = 256
@@ -268,8 +268,8 @@ def tail_rows(watch: Watch, table: str) -> int:
 
 
 def past_floor(t) -> set[int]:
-    """The rows the table's last report listed as conflicted with a run_noise of at least 2."""
-    return set(t.conflicted_ids[t.conflict_score(t.conflicted_ids) >= ZOMBIE_FLOOR].tolist())
+    """The rows the table's last report listed as conflicted with a run_score of at least the list's floor."""
+    return set(t.conflicted_ids[t.conflict_score(t.conflicted_ids) >= CONFLICT_FLOOR].tolist())
 
 
 def pr(found: set[int], truth: set[int]) -> tuple[float, float]:
@@ -314,7 +314,7 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
                   + ", ".join(f"{t} {len(flagged(w, AnomalyKind.zombie_embedding, t))} "
                               f"({len(flagged(w, AnomalyKind.zombie_embedding, t, True))})" for t in TABLES)
                   + "; as the table's tail (info) " + ", ".join(f"{t} {tail_rows(w, t)}" for t in TABLES)
-                  + "; listed conflicted with a run_noise of at least 2 (the report's floor) "
+                  + "; listed conflicted with a run_score of at least 2 (the report's floor) "
                   + ", ".join(f"{t} {len(past_floor(table_of(run, t)))}" for t in TABLES))
 
         # (b) 50 items (>= 20 training ratings, not the top 100) whose ratings flip for half of the users.
@@ -356,10 +356,11 @@ def detect(d: Data, seeds: list[int], epochs: int, regime: str = "adam1e-2", cas
             print(f"seed {seed} (b) group conflict {tname}: AUC of zombie score {conflict_auc(t):.3f} "
                   f"(mean-squared-gradient score {am:.3f}; {len(controls)} popularity-matched controls); "
                   f"at the end of each epoch {' '.join(f'{a:.2f}' for a in by_epoch[tname])}; "
-                  f"AUC of the run's record (run_noise) {conflict_auc(t, t.conflict_score()):.3f}, at the end of "
+                  f"AUC of the run's record (run_score) {conflict_auc(t, t.conflict_score()):.3f}, of run_noise "
+                  f"{conflict_auc(t, t.run_noise().nan_to_num(nan=0.0)):.3f}, at the end of "
                   f"each epoch {' '.join(f'{a:.2f}' for a in by_epoch[f'{tname} run'])}; the last report's "
                   f"'conflicted' list: {len(listed & cset)} of its {len(listed)} rows planted, {len(past & cset)} of the "
-                  f"{len(past)} with a run_noise of at least 2")
+                  f"{len(past)} with a run_score of at least 2")
         if run is not None:
             print(f"seed {seed} (b) the conflict items' training MSE over the controls' at the end of each epoch "
                   f"(1.00: fitted as well): {' '.join(f'{r:.2f}' for r in by_epoch['fit'])}")

@@ -217,12 +217,13 @@ def register(main: click.Group) -> None:
                             table(["ROW", "UPDATES", "NOISE", "CONSISTENCY", "SNR", "VELOCITY"],
                                   [[r.row, r.touches, r.noise, r.consistency, r.snr, r.velocity]
                                    for r in t.summary.zombies])]
-                conflicted = [r for r in t.summary.conflicted if r.run_noise is not None and r.run_noise >= 2]
+                conflicted = [r for r in t.summary.conflicted if r.run_score is not None and r.run_score >= 2]
                 if conflicted:  # the listed rows past the floor: a healthy table's filler rows are left out
                     out += ["", f"{t.name} (rank {t.rank}): rows whose data has pulled them hardest over the run "
-                            "(run noise >= 2: conflicting labels, even once fitted), worst first",
-                            table(["ROW", "UPDATES", "RUN NOISE", "NOISE NOW", "REPORTS"],
-                                  [[r.row, r.touches, r.run_noise, r.noise, r.reports] for r in conflicted])]
+                            "(run score >= 2 spreads above their peers: conflicting labels, even once fitted), worst "
+                            "first",
+                            table(["ROW", "UPDATES", "RUN SCORE", "RUN NOISE", "NOISE NOW", "REPORTS"],
+                                  [[r.row, r.touches, r.run_score, r.run_noise, r.noise, r.reports] for r in conflicted])]
                 if t.summary.dead_ids:
                     shown = ", ".join(str(i) for i in t.summary.dead_ids)
                     more = t.summary.never_updated - len(t.summary.dead_ids)

@@ -194,7 +194,7 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         effective rank and mean pairwise cosine of sampled rows (collapse), and the worst rows of each kind with
         their update frequency, velocity, direction consistency, temporal SNR and per-lookup noise: 'zombies'
         (noisy rows whose updates reverse, worst first), 'rarest', 'conflicted' (rows whose data has pulled them
-        harder than their peers' over the whole run, 'run_noise': conflicting or corrupted labels, even once the
+        harder than their peers' over the whole run, 'run_score': conflicting or corrupted labels, even once the
         model has memorised them), 'dead_ids', 'nonfinite_ids'. Use it to look at a table a zombie_embedding,
         dead_embedding or embedding_collapse anomaly names, or to audit a table's data."""
         return await _call(queries.embeddings, store, run, table=table, rows=rows)

@@ -795,11 +795,13 @@ static inline float zombie_score(const float *st, float occ_ref)
     return logf(noise > 1e-6f ? noise : 1e-6f) - ratio_f(st[2], st[3]);
 }
 
-/* a row's conflict score from its run's record (sum, count, peak) of ln(noise) (TableState.conflict_score): the
- * peak of the mean once ``settled`` reports have added to it, the mean before */
+/* a row's run's record (TableState._run): the sum of its ln(noise) readings, their count, the sum of the same
+ * readings in spreads (ln(noise) / the report's noise_spread), and that sum's mean at its highest once
+ * ``settled`` readings were in. Its run_score (TableState.conflict_score): the peak once settled, the mean
+ * before; its run_noise: exp of the mean ln(noise). */
 static inline float run_score(const float *rr, Py_ssize_t settled)
 {
-    return rr[1] >= (float)settled ? rr[2] : rr[0] / (rr[1] > 1.0f ? rr[1] : 1.0f);
+    return rr[1] >= (float)settled ? rr[3] : rr[2] / (rr[1] > 1.0f ? rr[1] : 1.0f);
 }
 
 /* MAD_SIGMA x the median excess over ``centre`` of the values of v[0..n) above it (a robust standard deviation
@@ -829,11 +831,11 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     unsigned long long state_p, w_p, inwin_p, counts_p, win_p, z_p, r_p, nf_p, d_p, sample_p, pad_p, out_p, x_p, run_p,
         c_p;
     Py_ssize_t C, rows, dim, n_win, n_z, n_r, n_nf, n_d, n_sample, n_pad, k, dead_scan, n_x, n_least, n_c, run_settled;
-    double min_touches, mad_sigma, z_floor, r_floor;
-    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKnKnnnddKKnnddKKnn", &state_p, &C, &rows, &dim, &w_p, &inwin_p,
+    double min_touches, mad_sigma, z_floor, r_floor, c_floor;
+    if (!PyArg_ParseTuple(args, "KnnnKKKKnKnKnKnKnKnKnnnddKKnnddKKnnd", &state_p, &C, &rows, &dim, &w_p, &inwin_p,
                           &counts_p, &win_p, &n_win, &z_p, &n_z, &r_p, &n_r, &nf_p, &n_nf, &d_p, &n_d, &sample_p,
                           &n_sample, &pad_p, &n_pad, &k, &dead_scan, &min_touches, &mad_sigma, &out_p, &x_p, &n_x,
-                          &n_least, &z_floor, &r_floor, &run_p, &c_p, &n_c, &run_settled))
+                          &n_least, &z_floor, &r_floor, &run_p, &c_p, &n_c, &run_settled, &c_floor))
         return NULL;
     if (C < 8 || rows < 0 || dim <= 0 || n_win < 0 || n_z < 0 || n_z > k || n_r < 0 || n_r > k || n_nf < 0
         || n_nf > k || n_d < 0 || n_d > k || n_sample < 0 || n_pad < 0 || k < 0 || out_p == 0 || n_x < 0
@@ -979,9 +981,10 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
             }
         }
     /* the run's record (TableState._conflicts): each window row eligible with its energy measured adds its
-     * ln(noise), and its mean's highest is kept once run_settled reports have added; then the window and the
-     * previous conflicted list, each once (flag 4), are ranked by run_score, among the finite rows updated at
-     * least as often as the median row */
+     * ln(noise), and the same in spreads, when the report has a spread; the mean in spreads' highest is kept
+     * once run_settled readings are in. Then the window and the previous conflicted list, each once (flag 4),
+     * are ranked by run_score, among the finite rows updated at least as often as the median row */
+    const int spread_ok = spread > 0 && spread < INFINITY;
     ranked_t *ch = heaps + 2 * k;
     Py_ssize_t n_cc = 0, c_past = 0;
     const int64_t *c_lists[2] = {win, cl};
@@ -994,19 +997,20 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
             inwin[row] |= 4;
             const float *st = state + row * C;
             const int b = st[7] > 0;
-            float *rr = run + 3 * row;
-            if (l == 0 && st[0] >= min_touches && !b && measured(st) && occ_ref < INFINITY) {
-                const float noise = ratio_f(st[6], occ_ref);
-                rr[0] += logf(noise > 1e-6f ? noise : 1e-6f);
+            float *rr = run + 4 * row;
+            if (l == 0 && spread_ok && st[0] >= min_touches && !b && measured(st) && occ_ref < INFINITY) {
+                const float noise = ratio_f(st[6], occ_ref), ln = logf(noise > 1e-6f ? noise : 1e-6f);
+                rr[0] += ln;
                 rr[1] += 1.0f;
-                if (rr[1] >= (float)run_settled && rr[0] / rr[1] > rr[2])
-                    rr[2] = rr[0] / rr[1];
+                rr[2] += ln / spread;
+                if (rr[1] >= (float)run_settled && rr[2] / rr[1] > rr[3])
+                    rr[3] = rr[2] / rr[1];
             }
             if (rr[1] > 0 && !b && st[0] >= often) {
                 const float score = run_score(rr, run_settled);
                 if (isfinite(score)) {
                     cc[n_cc++] = (ranked_t){-score, row};
-                    c_past += score >= (float)z_floor;
+                    c_past += score >= (float)c_floor;
                 }
             }
         }
@@ -1080,15 +1084,16 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     for (Py_ssize_t i = 0; i < nd; i++)
         o[i] = (double)dl[i];
     o += nd + 1; /* and the caller's flag: whether rows not looked up had a gradient */
-    for (Py_ssize_t i = 0; i < nc; i++) { /* the conflicted rows: ids, touches, noise, run_noise, reports */
+    for (Py_ssize_t i = 0; i < nc; i++) { /* the conflicted rows: ids, touches, noise, run_noise, run_score, reports */
         const int64_t row = ch[i].id;
-        const float *st = state + row * C, *rr = run + 3 * row;
+        const float *st = state + row * C, *rr = run + 4 * row;
         cl[i] = row;
         o[i] = (double)row;
         o[nc + i] = st[0];
         o[2 * nc + i] = ratio_f(st[6], occ_ref);
-        o[3 * nc + i] = expf(run_score(rr, run_settled));
-        o[4 * nc + i] = rr[1];
+        o[3 * nc + i] = expf(rr[0] / (rr[1] > 1.0f ? rr[1] : 1.0f));
+        o[4 * nc + i] = run_score(rr, run_settled);
+        o[5 * nc + i] = rr[1];
     }
     const double scalars[12] = {(double)counts[0], (double)counts[1], (double)counts[2], (double)neg, (double)n_el,
                                 touch_median, untouched_bad, nan_count, inf_count, spread, score_median, score_spread};
@@ -1213,7 +1218,7 @@ static struct PyModuleDef module = {
 
 /* Raised whenever an entry point's arguments change: probes/stats.py ignores a build of another version
  * (a stale .so left by an older install) and keeps its torch path. */
-#define FASTATS_VERSION 18
+#define FASTATS_VERSION 19
 
 PyMODINIT_FUNC
 PyInit__fastats(void)

@@ -14,17 +14,21 @@ and updates them only for the rows a step touched:
 - ``noise``        gradient energy per lookup over the table's median (> 1: the row's data pulls it
                    harder than its peers' data pulls them)
 - ``run_noise``    the row's noise over the run: the geometric mean of its noise at the reports that found
-                   it updated, at its highest once RUN_SETTLED reports have (TableState.conflict_score). A
-                   row whose data conflicts (ratings that flip for a group of users) pulls hard until the
-                   model has fitted the conflict, and then its noise falls back towards 1; its run_noise
-                   keeps the record, as the area under the margin keeps that of mislabelled examples a
-                   network ends up memorising (Pleiss et al. 2020), and does not fade as the model goes on
-                   memorising them. Reports list the rows highest on it (``conflicted``).
+                   it updated. A row whose data conflicts (ratings that flip for a group of users) pulls
+                   hard until the model has fitted the conflict, and then its noise falls back towards 1;
+                   its run_noise keeps the record, as the area under the margin keeps that of mislabelled
+                   examples a network ends up memorising (Pleiss et al. 2020).
+- ``run_score``    the same readings in spreads (ln(noise) over the report's noise_spread, the table's
+                   robust standard deviation of ln(noise) above its median), averaged over the run, at its
+                   highest once RUN_SETTLED reports have read the row (TableState.conflict_score): it does
+                   not fade as the model goes on memorising a conflict, nor does the late phase of a run
+                   that overfits, when the median row is fitted and ratios to it spread wide, outweigh the
+                   phase that learnt. Reports list the rows highest on it (``conflicted``).
 
 Memory is O(rows): one float32 tensor of 8 + 2k columns per table (eight scalars, the mean gradient and
 the previous innovation), 96 bytes a row whatever the table's width, and never a copy of the table
-(plus 9 bytes a row: the list of the rows changed since the last report, and a flag saying which, and 12
-for run_noise's sum, count and peak).
+(plus 9 bytes a row: the list of the rows changed since the last report, and a flag saying which, and 16
+for the run's record: run_noise's and run_score's sums, their count, and run_score's peak).
 Vectors are kept as random projections to k = min(``SKETCH_DIM``, width) dimensions
 (Johnson-Lindenstrauss: inner products and norms are preserved in expectation; exact when the table is
 at most ``SKETCH_DIM`` wide, e.g. bias tables).
@@ -110,12 +114,16 @@ TOP_ROWS = 256
 LISTED_ROWS = 32
 ZOMBIE_FLOOR = math.log(2.0)
 RARE_FLOOR = 0.02
-# A row's run_noise is its running mean's peak once this many reports have measured it (before: the mean).
-# The mean alone fades once the model has memorised a conflict: on ML-100k's planted group conflict
-# (benchmarks/embeddings.py, case b) its AUC falls from 0.81-0.82 at 5 epochs to 0.66-0.73 at 30 under
-# Adam 1e-2; the peak holds 0.79-0.82 (docs/embeddings.md). Before ten readings the mean's standard error
-# is over a third of one reading's, and a peak over so few would be mostly noise.
+# A row's run_score is its running mean's peak once this many reports have read it (before: the mean).
+# A mean alone fades once the model has memorised a conflict: on ML-100k's planted group conflict
+# (benchmarks/embeddings.py, case b) run_noise's AUC falls from 0.81-0.82 at 5 epochs to 0.66-0.78 at 30
+# under Adam 1e-2, where run_score holds 0.80-0.82 (docs/embeddings.md). Before ten readings the mean's
+# standard error is over a third of one reading's, and a peak over so few would be mostly noise; from 20,
+# the peak comes too late in a run that fits fast (0.03 lower under Adam 1e-2, 0.02 higher under 1e-3).
 RUN_SETTLED = 10
+# The conflicted list's floor: a run_score of at least this many spreads (LISTED_ROWS are listed whatever
+# their score).
+CONFLICT_FLOOR = 2.0
 # Rows sampled for effective rank and mean pairwise cosine.
 COLLAPSE_SAMPLE = 512
 # A fixed random sample of each table's rows, for medians (touches, energy per lookup) and collapse.
@@ -159,9 +167,9 @@ def find_tables(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, l
 
 
 def state_bytes_of(rows: int, dim: int, sketch_dim: int = SKETCH_DIM) -> int:
-    """What TableState keeps for a table: 8 + 2k float32 a row, 9 bytes a row for the window and 12 for the
-    run's record (run_noise)."""
-    return rows * (4 * (8 + 2 * min(sketch_dim, dim)) + 21)
+    """What TableState keeps for a table: 8 + 2k float32 a row, 9 bytes a row for the window and 16 for the
+    run's record (run_noise, run_score)."""
+    return rows * (4 * (8 + 2 * min(sketch_dim, dim)) + 25)
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -282,12 +290,12 @@ class TableState:
             ids[:0] for ids in self._lists)
         self._collapse_rows: torch.Tensor | None = None  # the native report's, allocated at its first
         self.dead_scan = 0
-        # The run's record of each row's pull (conflict_score): the sum of ln(noise) over the reports that
-        # found the row updated since the one before (and eligible, its energy measured), how many, and the
-        # highest sum / count once RUN_SETTLED have. The rows a report lists highest on it are the fifth list
-        # (conflicted_ids).
-        self._run = torch.zeros(rows, 3, device=dev)
-        self._run[:, 2] = -math.inf
+        # The run's record of each row's pull: the sum of ln(noise) over the reports that found the row updated
+        # since the one before (eligible, its energy measured, the table's spread known), how many, the sum of
+        # the same readings in spreads, and that sum's mean at its highest once RUN_SETTLED are in (run_score,
+        # conflict_score). The rows a report lists highest on it are the fifth list (conflicted_ids).
+        self._run = torch.zeros(rows, 4, device=dev)
+        self._run[:, 3] = -math.inf
         # Whether the weight learns outside the table's lookups (an output matrix, as in a full softmax over
         # its ids, or a functional call): rows not looked up in a step then have a gradient, and a row never
         # looked up is not one that never learns. Checked at the first tracked step after a report that
@@ -803,42 +811,50 @@ class TableState:
         return _zombie_score(self.eligible(idx) & _measured(occ), self.noise_excess(idx), self.consistency_of(idx))
 
     def conflict_score(self, idx: torch.Tensor | None = None) -> torch.Tensor:
-        """ln(run_noise): the mean ln(noise) of the row over the reports that found it updated (and
-        eligible), at its highest since RUN_SETTLED of them had; -inf for a row no report has scored. Higher is
-        a row whose data has pulled it harder than its peers' over the run, whether or not the model has since
-        fitted it."""
+        """run_score: the row's ln(noise) in spreads, averaged over the reports that read it, at its highest
+        since RUN_SETTLED of them had; -inf for a row no report has read. Higher is a row whose data has
+        pulled it harder than its peers' over the run, whether or not the model has since fitted it."""
         _ = self.state  # the folds and reports in flight first (see state)
         return _conflict_score(self._run if idx is None else self._run.index_select(0, idx))
 
-    def _conflicts(self, win: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+    def run_noise(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """The geometric mean of the row's noise over the reports that read it; NaN for a row none has."""
+        _ = self.state
+        run = self._run if idx is None else self._run.index_select(0, idx)
+        return _run_noise(run)
+
+    def _conflicts(self, win: torch.Tensor, k: int, spread: torch.Tensor) -> tuple[torch.Tensor, int]:
         """At a report, after the medians: add each row of the window (updated since the last report) that is
-        eligible, with its energy measured, its ln(noise) to the run's record (and the mean's peak, once
-        RUN_SETTLED have added); then rank the window and the previous list by conflict_score, as the zombies
-        are: of the finite rows updated at least as often as the median row (a rarer row's energy is averaged
-        over fewer lookups, and the model has fitted it less), the worst LISTED_ROWS, and further ones up to
-        ``k`` while at least ZOMBIE_FLOOR. Returns the packed ids and four columns (touches, noise, run_noise,
-        reports), and how many rows. ~15 operations over
-        the window and the list, on the table's device; reading the list's length is a host sync on CUDA,
-        as the other lists' are."""
+        eligible, with its energy measured, its ln(noise) to the run's record, and the same over the report's
+        ``spread`` (noise_spread; none when it is not finite and positive), raising run_score's peak once
+        RUN_SETTLED readings are in; then rank the window and the previous list by conflict_score, as the
+        zombies are: of the finite rows updated at least as often as the median row (a rarer row's energy is
+        averaged over fewer lookups, and the model has fitted it less), the worst LISTED_ROWS, and further
+        ones up to ``k`` while at least CONFLICT_FLOOR. Returns the packed ids and five columns (touches,
+        noise, run_noise, run_score, reports), and how many rows. ~20 operations over the window and the
+        list, on the table's device; reading the list's length is a host sync on CUDA, as the other lists'
+        are."""
         st = self._state
         c = st.index_select(0, win)
         ref = self._occ_ref()
-        ok = (c[:, 0] >= MIN_TOUCHES) & ~(c[:, 7] > 0) & _measured(c[:, 6]) & torch.isfinite(ref)
+        ok = ((c[:, 0] >= MIN_TOUCHES) & ~(c[:, 7] > 0) & _measured(c[:, 6]) & torch.isfinite(ref)
+              & (spread > 0) & torch.isfinite(spread))
         ln = torch.log(_ratio(c[:, 6], ref).clamp_min(1e-6))
-        add = torch.stack([torch.where(ok, ln, torch.zeros_like(ln)), ok.to(ln.dtype)], dim=1)
+        zero = torch.zeros_like(ln)
+        add = torch.stack([torch.where(ok, ln, zero), ok.to(ln.dtype), torch.where(ok, ln / spread, zero)], dim=1)
         run = self._run.index_select(0, win)
-        run[:, :2] += add  # the window holds each row once
-        mean = run[:, 0] / run[:, 1].clamp_min(1.0)
-        run[:, 2] = torch.where(ok & (run[:, 1] >= RUN_SETTLED), torch.maximum(run[:, 2], mean), run[:, 2])
+        run[:, :3] += add  # the window holds each row once
+        mean = run[:, 2] / run[:, 1].clamp_min(1.0)
+        run[:, 3] = torch.where(ok & (run[:, 1] >= RUN_SETTLED), torch.maximum(run[:, 3], mean), run[:, 3])
         self._run.index_copy_(0, win, run)
         cand = torch.unique(torch.cat([win, self.conflicted_ids]))
         score = _conflict_score(self._run.index_select(0, cand))
         cs = st.index_select(0, cand)
         often = (cs[:, 0] >= torch.nan_to_num(self.touch_median, nan=math.inf)) & ~(cs[:, 7] > 0)
-        pos = _ranked(torch.where(often, score, torch.full_like(score, -math.inf)), k, True, ZOMBIE_FLOOR)
+        pos = _ranked(torch.where(often, score, torch.full_like(score, -math.inf)), k, True, CONFLICT_FLOOR)
         ids = self.conflicted_ids = cand.index_select(0, pos)
         rows, run = st.index_select(0, ids), self._run.index_select(0, ids)
-        cols = torch.stack([rows[:, 0], _ratio(rows[:, 6], ref), torch.exp(_conflict_score(run)), run[:, 1]])
+        cols = torch.stack([rows[:, 0], _ratio(rows[:, 6], ref), _run_noise(run), _conflict_score(run), run[:, 1]])
         return torch.cat([ids.to(torch.float64), cols.to(torch.float64).reshape(-1)]), ids.numel()
 
     # -- a report --------------------------------------------------------------------------------------
@@ -858,7 +874,7 @@ class TableState:
 
         Layout (see _decode): 12 scalars, the non-finite ids, the zombies' ids and five columns, the
         rarest's, the collapse statistics (3), the dead ids, whether rows not looked up had a gradient (1, 0;
-        NaN: not checked, see _look_outside), the conflicted rows' ids and four columns (_conflicts)."""
+        NaN: not checked, see _look_outside), the conflicted rows' ids and five columns (_conflicts)."""
         if self.native and _kernel_reads(self.weight):
             return self._native_report(sampled)
         dev, w, f64 = self.weight.device, self.weight.detach(), torch.float64
@@ -906,7 +922,7 @@ class TableState:
                  torch.stack([rank, cosine, sampled]).to(f64), self.dead_ids.to(f64)]
         seen = self._outside_flag()
         parts.append(torch.full((1,), math.nan, dtype=f64, device=dev) if seen is None else seen.to(f64)[None])
-        conflicts, nc = self._conflicts(win, k)
+        conflicts, nc = self._conflicts(win, k, spread)
         parts.append(conflicts)
         plan = {"window": window, "dead": self.dead_ids.numel(), "nonfinite": nf,
                 "zombies": zpos.numel(), "rarest": rpos.numel(), "conflicted": nc}
@@ -919,7 +935,7 @@ class TableState:
         k = min(TOP_ROWS, self.rows)
         z, r, nf, dead, cl = self._lists  # the five lists view these (the torch report never ran here)
         window, self._win_n = self._win_n, 0  # the kernel clears the window's flags: it starts again empty
-        out = torch.empty(16 + 19 * k, dtype=torch.float64)
+        out = torch.empty(16 + 20 * k, dtype=torch.float64)
         # The collapse statistics' rows, as float64 (the kernel copies them in and sums their unit vectors).
         x = self._collapse_rows
         if x is None and self.dim >= 4:
@@ -933,7 +949,7 @@ class TableState:
             self.sample.data_ptr(), self.sample.numel(), self.padding.data_ptr(),
             self.padding.numel(), k, self.dead_scan, MIN_TOUCHES, MAD_SIGMA, out.data_ptr(),
             0 if x is None else x.data_ptr(), 0 if x is None else x.shape[0], LISTED_ROWS, ZOMBIE_FLOOR, RARE_FLOOR,
-            self._run.data_ptr(), cl.data_ptr(), self.conflicted_ids.numel(), RUN_SETTLED)
+            self._run.data_ptr(), cl.data_ptr(), self.conflicted_ids.numel(), RUN_SETTLED, CONFLICT_FLOOR)
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids = z[:nz], r[:nr], nf[:nnf], dead[:nd]
         self.conflicted_ids = cl[:nc]
         self.touch_median, self.occ_median = torch.tensor(touch_median), torch.tensor(occ_median)
@@ -943,7 +959,7 @@ class TableState:
         seen = self._outside_flag()
         out[at + 3 + nd] = math.nan if seen is None else float(seen)
         plan = {"window": window, "dead": nd, "nonfinite": nnf, "zombies": nz, "rarest": nr, "conflicted": nc}
-        return out[:at + 4 + nd + 5 * nc], plan
+        return out[:at + 4 + nd + 6 * nc], plan
 
     def _refill_dead(self, k: int, chunk: int = 1 << 16) -> None:
         """Lowest-id finite rows never updated. A row once updated never becomes dead again, so the list
@@ -1036,10 +1052,15 @@ def _ranked(key: torch.Tensor, k: int, largest: bool, floor: torch.Tensor | floa
 
 
 def _conflict_score(run: torch.Tensor) -> torch.Tensor:
-    """The scores of (sum, count, peak) rows of the run's record: the peak once the count is RUN_SETTLED, the
-    mean before; -inf where the count is 0."""
-    mean = torch.where(run[:, 1] > 0, run[:, 0] / run[:, 1].clamp_min(1.0), torch.full_like(run[:, 0], -math.inf))
-    return torch.where(run[:, 1] >= RUN_SETTLED, run[:, 2], mean)
+    """run_score of rows of the run's record (sum of ln(noise), count, sum in spreads, its mean's peak): the
+    peak once the count is RUN_SETTLED, the mean in spreads before; -inf where the count is 0."""
+    mean = torch.where(run[:, 1] > 0, run[:, 2] / run[:, 1].clamp_min(1.0), torch.full_like(run[:, 0], -math.inf))
+    return torch.where(run[:, 1] >= RUN_SETTLED, run[:, 3], mean)
+
+
+def _run_noise(run: torch.Tensor) -> torch.Tensor:
+    """run_noise of rows of the run's record: exp of the mean ln(noise); NaN where the count is 0."""
+    return torch.where(run[:, 1] > 0, torch.exp(run[:, 0] / run[:, 1].clamp_min(1.0)), torch.full_like(run[:, 0], math.nan))
 
 
 def _log_spread(occ: torch.Tensor, eligible: torch.Tensor, median: torch.Tensor) -> torch.Tensor:
@@ -1147,7 +1168,7 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
     if take(1)[0] == 1.0:  # rows not looked up had a gradient (see TableState._look_outside)
         table.outside = True
     nc = plan["conflicted"]
-    conflicted_ids, touches, noise, run_noise, reports = take(nc), take(nc), take(nc), take(nc), take(nc)
+    conflicted_ids, touches, noise, run_noise, run_score, reports = (take(nc) for _ in range(6))
 
     def rowlist(start: int, n: int) -> list[dict]:
         if stats._fastats is not None:
@@ -1174,8 +1195,9 @@ def _decode(name: str, table: TableState, raw: list[float], plan: dict, tracked_
         "rarest": rowlist(r_at, plan["rarest"]),
         "dead_ids": [int(i) for i in dead_idx],
         "nonfinite_ids": [int(i) for i in nf_idx],
-        "conflicted": [{"row": int(i), "touches": int(t), "noise": num(x), "run_noise": num(r), "reports": int(n)}
-                       for i, t, x, r, n in zip(conflicted_ids, touches, noise, run_noise, reports)],
+        "conflicted": [{"row": int(i), "touches": int(t), "noise": num(x), "run_noise": num(r), "run_score": num(z),
+                        "reports": int(n)}
+                       for i, t, x, r, z, n in zip(conflicted_ids, touches, noise, run_noise, run_score, reports)],
     }
     if table.tied:
         summary["tied_to"] = list(table.tied)

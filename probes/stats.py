@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 # The argument layout of probes/_fastats.c this code calls (its FASTATS_VERSION).
-KERNEL_VERSION = 18
+KERNEL_VERSION = 19
 try:  # the fused passes (probes/_fastats.c), built by setup.py where a C compiler is; else the torch path
     from . import _fastats
 except ImportError:  # pragma: no cover - exercised by the tests with _fastats set to None

@@ -117,11 +117,16 @@ class ConflictedRow(_Model):
     noise: Number = Field(None, description="The row's gradient energy per lookup over the median row's, now "
                           "(EmbeddingRow.noise).")
     run_noise: Number = Field(None, description="The geometric mean of the row's noise at the reports that found it "
-                              "updated since the one before, at its highest once 10 reports had: how hard its data "
-                              "has pulled it, relative to its peers', over the run. A row whose data conflicts (its "
-                              "ratings flip for one group of users) keeps a high run_noise after the model has "
-                              "fitted the conflict and its noise has fallen back towards 1.")
-    reports: int = Field(0, ge=0, description="Reports run_noise averages over.")
+                              "updated since the one before: how hard its data has pulled it, relative to its "
+                              "peers', over the run. A row whose data conflicts (its ratings flip for one group of "
+                              "users) keeps a high run_noise after the model has fitted the conflict and its noise "
+                              "has fallen back towards 1.")
+    run_score: Number = Field(None, description="The same readings in spreads (ln(noise) over that report's "
+                              "noise_spread, the table's robust standard deviation of ln(noise) above its median), "
+                              "averaged over the run, at its highest once 10 reports had read the row: how far "
+                              "above its peers the row has stood, comparable across tables, and not worn down by "
+                              "the epochs in which the model memorises the conflict. The list is ranked by it.")
+    reports: int = Field(0, ge=0, description="Reports run_noise and run_score average over.")
 
 
 class EmbeddingSummary(_Model):
@@ -159,8 +164,8 @@ class EmbeddingSummary(_Model):
                                        description="Rows updated at least once, least often first: the rarest 32, "
                                        "and every further row updated under 2% as often as the median row, up to 256.")
     conflicted: list[ConflictedRow] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
-                                            description="Rows highest on run_noise, worst first: the worst 32, and "
-                                            "every further row whose run_noise is at least 2, up to 256. Where the "
+                                            description="Rows highest on run_score, worst first: the worst 32, and "
+                                            "every further row whose run_score is at least 2, up to 256. Where the "
                                             "zombies say which rows fight their data now, these say which rows' data "
                                             "has disagreed all along: a data problem (conflicting or corrupted "
                                             "labels) the model may have memorised since.")

@@ -72,7 +72,7 @@ CAUSE = Cause(anomaly_id="a-12", kind=AnomalyKind.exploding_gradient, step=40, t
               explanation="Learning rate too high for this depth.", consequences=["a-13", "a-14"])
 
 EMB_ROW = EmbeddingRow(row=17, touches=40, velocity=0.01, consistency=-0.8, snr=NAN)
-CONFLICTED_ROW = ConflictedRow(row=40, touches=210, noise=1.1, run_noise=3.4, reports=12)
+CONFLICTED_ROW = ConflictedRow(row=40, touches=210, noise=1.1, run_noise=3.4, run_score=2.7, reports=12)
 EMB_SUMMARY = EmbeddingSummary(rows=1682, dim=32, tracked_steps=300, touched_rows=1600, never_updated=50,
                                median_touches=12.0, effective_rank=None, mean_cosine=0.1, zombies=[EMB_ROW],
                                rarest=[EMB_ROW], conflicted=[CONFLICTED_ROW], dead_ids=[3, 9], nonfinite_ids=[])

@@ -220,14 +220,14 @@ async function drawCharts() {
 }
 
 // The run's embedding tables as last reported (the embeddings collection): one row a table, the rows most
-// like zombies, and those whose data has pulled them hardest over the run (run noise of at least 2, as the
-// report's floor: a healthy table's filler rows are left out). Hidden when the run reports none.
+// like zombies, and those whose data has pulled them hardest over the run (a run score of at least 2 spreads,
+// the report's floor: a healthy table's filler rows are left out). Hidden when the run reports none.
 function embeddingTables(tables) {
   $("#embeddings tbody").replaceChildren(...tables.map((t) => {
     const s = t.summary;
     const worst = s.zombies.map((z) => `${z.row}: ${fmt(z.noise)}, ${fmt(z.consistency)}`).join(" · ");
-    const conflicted = (s.conflicted || []).filter((c) => c.run_noise !== null && c.run_noise >= 2)
-      .map((c) => `${c.row}: ${fmt(c.run_noise)}`).join(" · ");
+    const conflicted = (s.conflicted || []).filter((c) => c.run_score !== null && c.run_score >= 2)
+      .map((c) => `${c.row}: ${fmt(c.run_score)}, ${fmt(c.run_noise)}`).join(" · ");
     const name = (t.rank ? `${t.name} (rank ${t.rank})` : t.name)
       + (s.tied_to.length ? ` · tied to ${s.tied_to.join(", ")}`
         : s.learns_outside_lookups ? " · learns outside its lookups" : "");
