@@ -48,6 +48,13 @@ def _run_row(r: Any) -> list[Any]:
     return [r.run, r.status, r.last_step, r.open_anomalies, r.device, r.total_params]
 
 
+def past_conflict_floor(row: Any) -> bool:
+    """Whether a conflicted row is at the list's floor of 2 or past it: its run_score, or, from a probe before
+    run_score (2026-12-01), which ranked the list by run_noise, its run_noise."""
+    score = row.run_score if row.run_score is not None else row.run_noise
+    return score is not None and score >= 2
+
+
 def _options(f: Callable) -> Callable:
     f = click.option("--server", default=lambda: os.environ.get("TRAINDX_SERVER", DEFAULT_SERVER),
                      show_default="$TRAINDX_SERVER or " + DEFAULT_SERVER, help="The traindx server to ask.")(f)
@@ -217,7 +224,7 @@ def register(main: click.Group) -> None:
                             table(["ROW", "UPDATES", "NOISE", "CONSISTENCY", "SNR", "VELOCITY"],
                                   [[r.row, r.touches, r.noise, r.consistency, r.snr, r.velocity]
                                    for r in t.summary.zombies])]
-                conflicted = [r for r in t.summary.conflicted if r.run_score is not None and r.run_score >= 2]
+                conflicted = [r for r in t.summary.conflicted if past_conflict_floor(r)]
                 if conflicted:  # the listed rows past the floor: a healthy table's filler rows are left out
                     out += ["", f"{t.name} (rank {t.rank}): rows whose data has pulled them hardest over the run "
                             "(run score >= 2 spreads above their peers: conflicting labels, even once fitted), worst "

@@ -1578,6 +1578,36 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
         assert db.execute("SELECT count(*) FROM embedding_tables WHERE run='emb-e2e'").fetchone() == (0,)
 
 
+def test_a_report_from_a_probe_before_run_score_still_shows_its_conflicted_rows(server) -> None:
+    """A job on a probe from before run_score (2026-12-01) ranked the conflicted list by run_noise and sent no
+    run_score: the server stores its reports as they came, and the table for people shows the rows whose
+    run_noise is past the floor, as that probe meant, not an empty list."""
+    torch.manual_seed(0)
+    model = Toy(rows=40, dim=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, sink = attach(model, opt, interval=20)
+    train(model, probe, 201, ids=torch.arange(40), zombies={3, 17, 29}, opt=opt)
+    probe.close()
+    for b in sink.batches:  # as the older probe sent them
+        for ev in b["events"]:
+            for r in ev.get("rows", []) if ev["kind"] == "tensor_stats" else []:
+                for c in r.get("embedding", {}).get("conflicted", []):
+                    del c["run_score"]
+        b["run"] = "emb-old"
+        r = httpx.post(f"{server.url}/v1/ingest", json=b, headers=AUTH)
+        assert r.status_code == 200, r.text
+    listed = summaries(sink)[-1][1]["embedding"]["conflicted"]
+    past = sorted(c["row"] for c in listed if c["run_noise"] >= 2)
+    assert {3, 17, 29} <= set(past)
+    from click.testing import CliRunner
+    from diag_server.cli import main
+    env = {"TRAINDX_SERVER": server.url, "TRAINDX_TOKEN": server.token}
+    lines = CliRunner().invoke(main, ["embeddings", "emb-old"], env=env, catch_exceptions=False).output.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("table.weight (rank 0): rows whose data has pulled"))
+    shown = [line.split() for line in lines[at + 3:at + 3 + len(past)]]
+    assert sorted(int(r[0]) for r in shown) == past and all(r[2] == "-" for r in shown)  # no run_score: "-"
+
+
 @pytest.mark.parametrize("how", ["tied", "output", "untied"])
 def test_a_tied_table_through_a_real_server(server, how: str) -> None:
     """What a person reads of a language model whose data never holds the last tenth of the vocabulary: with
