@@ -230,7 +230,8 @@ def register(main: click.Group) -> None:
                             "(run score >= 2 spreads above their peers: conflicting labels, even once fitted), worst "
                             "first",
                             table(["ROW", "UPDATES", "RUN SCORE", "RUN NOISE", "NOISE NOW", "REPORTS"],
-                                  [[r.row, r.touches, r.run_score, r.run_noise, r.noise, r.reports] for r in conflicted])]
+                                  [[r.row, r.touches, r.run_score, r.run_noise, r.noise, r.reports]
+                                   for r in conflicted])]
                 if t.summary.dead_ids:
                     shown = ", ".join(str(i) for i in t.summary.dead_ids)
                     more = t.summary.never_updated - len(t.summary.dead_ids)

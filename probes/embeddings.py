@@ -1060,7 +1060,8 @@ def _conflict_score(run: torch.Tensor) -> torch.Tensor:
 
 def _run_noise(run: torch.Tensor) -> torch.Tensor:
     """run_noise of rows of the run's record: exp of the mean ln(noise); NaN where the count is 0."""
-    return torch.where(run[:, 1] > 0, torch.exp(run[:, 0] / run[:, 1].clamp_min(1.0)), torch.full_like(run[:, 0], math.nan))
+    mean = run[:, 0] / run[:, 1].clamp_min(1.0)
+    return torch.where(run[:, 1] > 0, torch.exp(mean), torch.full_like(mean, math.nan))
 
 
 def _log_spread(occ: torch.Tensor, eligible: torch.Tensor, median: torch.Tensor) -> torch.Tensor:
