@@ -283,8 +283,8 @@ class TableState:
         self._win = torch.empty(rows, dtype=torch.long, device=dev)
         self._win_n = 0
         self._inwin = torch.zeros(rows, dtype=torch.uint8, device=dev)
-        # The report's lists (zombies, rarest, non-finite, dead, conflicted: TOP_ROWS each), kept in place: the native
-        # report reads them and rewrites them (see _native_report), the torch one replaces them.
+        # The report's lists (zombies, rarest, non-finite, dead, conflicted: TOP_ROWS each), kept in place: the
+        # native report reads them and rewrites them (see _native_report), the torch one replaces them.
         self._lists = torch.empty(5, min(TOP_ROWS, rows), dtype=torch.long, device=dev).unbind()
         self.zombie_ids, self.rare_ids, self.nonfinite_ids, self.dead_ids, self.conflicted_ids = (
             ids[:0] for ids in self._lists)

@@ -73,7 +73,8 @@ from .records import (
 
 __all__ = [
     "SCHEMA_VERSION", "AnomalyKind", "AnomalyStatus", "Collection", "FixAction", "FixStatus", "Severity",
-    "MAX_EVENTS_PER_BATCH", "Command", "ConflictedRow", "EmbeddingRow", "EmbeddingSummary", "Event", "FixAck", "IngestBatch", "IngestReply",
+    "MAX_EVENTS_PER_BATCH", "Command", "ConflictedRow", "EmbeddingRow", "EmbeddingSummary", "Event", "FixAck",
+    "IngestBatch", "IngestReply",
     "LayerProfile", "LayerProfiles", "ModuleInfo",
     "OptimizerInfo", "ParamInfo", "ProbeMessage", "RunEnd", "RunStart", "Scalars", "StatRow", "TensorStats",
     "TensorSlice", "TensorSnapshot",

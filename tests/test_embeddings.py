@@ -1493,6 +1493,11 @@ def test_fix_refuses_bad_parameters_and_a_missing_collection() -> None:
 
 
 # -- end to end ----------------------------------------------------------------------------------------------
+def _conflicted_heading(lines: list[str]) -> int:
+    """Where `traindx embeddings` heads table.weight's conflicted rows (its table follows, after two lines)."""
+    return next(i for i, line in enumerate(lines) if line.startswith("table.weight (rank 0): rows whose data has pulled"))
+
+
 def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
     torch.manual_seed(0)
     model = Toy(rows=40, dim=2)
@@ -1539,7 +1544,7 @@ def test_end_to_end_dead_and_zombie_rows_through_a_real_server(server) -> None:
     assert "SCORE SPREAD" in lines[0] and float(lines[2].split()[9]) > 0  # what a row's score is read against
     at = lines.index("table.weight (rank 0): rows most like zombies, worst first")
     assert sorted(int(line.split()[0]) for line in lines[at + 3:at + 6]) == [3, 17, 29]
-    at = next(i for i, line in enumerate(lines) if line.startswith("table.weight (rank 0): rows whose data has pulled"))
+    at = _conflicted_heading(lines)
     assert sorted(int(line.split()[0]) for line in lines[at + 3:at + 6]) == [3, 17, 29]
     assert lines[at + 1].split()[:5] == ["ROW", "UPDATES", "RUN", "SCORE", "RUN"]
     assert all(float(line.split()[2]) >= 2 for line in lines[at + 3:at + 6])  # RUN SCORE, at least the floor
@@ -1603,7 +1608,7 @@ def test_a_report_from_a_probe_before_run_score_still_shows_its_conflicted_rows(
     from diag_server.cli import main
     env = {"TRAINDX_SERVER": server.url, "TRAINDX_TOKEN": server.token}
     lines = CliRunner().invoke(main, ["embeddings", "emb-old"], env=env, catch_exceptions=False).output.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith("table.weight (rank 0): rows whose data has pulled"))
+    at = _conflicted_heading(lines)
     shown = [line.split() for line in lines[at + 3:at + 3 + len(past)]]
     assert sorted(int(r[0]) for r in shown) == past and all(r[2] == "-" for r in shown)  # no run_score: "-"
 

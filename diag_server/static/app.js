@@ -226,9 +226,8 @@ function embeddingTables(tables) {
   $("#embeddings tbody").replaceChildren(...tables.map((t) => {
     const s = t.summary;
     const worst = s.zombies.map((z) => `${z.row}: ${fmt(z.noise)}, ${fmt(z.consistency)}`).join(" · ");
-    // a probe before run_score (2026-12-01) ranked and floored the list by run_noise
-    const conflicted = (s.conflicted || []).filter((c) => (c.run_score ?? null) !== null ? c.run_score >= 2
-      : c.run_noise !== null && c.run_noise >= 2)
+    // past the floor of 2 (a probe before run_score, 2026-12-01, ranked and floored the list by run_noise)
+    const conflicted = (s.conflicted || []).filter((c) => (c.run_score ?? c.run_noise ?? -Infinity) >= 2)
       .map((c) => `${c.row}: ${c.run_score == null ? "-" : fmt(c.run_score)}, ${fmt(c.run_noise)}`).join(" · ");
     const name = (t.rank ? `${t.name} (rank ${t.rank})` : t.name)
       + (s.tied_to.length ? ` · tied to ${s.tied_to.join(", ")}`
