@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 import sqlite3
 import time
@@ -309,6 +311,44 @@ def test_sparse_adam_and_untracked_steps(path: str) -> None:
     assert e["touched_rows"] == 10 and e["never_updated"] == 40 and e["sparse"] is True
 
 
+def test_a_tracked_module_reads_as_before_and_its_copies_are_untracked() -> None:
+    """The lookups are kept by putting the table's module under a subclass of its class (torch's hooked
+    module call costs more than the lookup): the model prints as before, a deep copy or a pickle of it (an
+    EMA model, torch.save) is an nn.Embedding again whose lookups are its own, a compiled model's lookups
+    are kept with no graph break or recompile, and close() puts the class back."""
+    from torch._dynamo.utils import counters
+    model = Toy(rows=12, dim=2)
+    printed = repr(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, _ = attach(model, opt)
+    train(model, probe, 2, ids=torch.arange(8), opt=opt)
+    assert type(model.table) is not torch.nn.Embedding and isinstance(model.table, torch.nn.Embedding)
+    assert repr(model) == printed
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    assert b"probes" not in buf.getvalue()  # the checkpoint loads without traindx
+    buf.seek(0)
+    for other in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        assert type(other.table) is torch.nn.Embedding and torch.equal(other.table.weight, model.table.weight)
+        train(other, None, 1, ids=torch.arange(4))
+        assert table_state(probe).lookups == []  # not the tracked table's
+    train(model, probe, 1, ids=torch.arange(8), opt=opt)
+    assert table_state(probe).touches[:9].tolist() == [3.0] * 8 + [0.0]
+    probe.close()
+    assert type(model.table) is torch.nn.Embedding
+
+    torch._dynamo.reset()
+    compiled = torch.compile(Toy(rows=12, dim=2), backend="aot_eager")
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.05)
+    probe, _ = attach(compiled, opt)
+    graphs = []
+    for _ in range(4):
+        train(compiled, probe, 1, ids=torch.arange(8), opt=opt)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [graphs[0]] * 4 and table_state(probe).touches[:9].tolist() == [4.0] * 8 + [0.0]
+    probe.close()
+
+
 def test_hooks_stay_on_while_every_step_is_tracked_and_come_off_otherwise() -> None:
     """Tracked every step, the hooks are registered once, not every step; the optimizer hooks are torch's
     global ones, which run after an optimizer's own post hooks (a fix's act before the rows are read); they
@@ -321,7 +361,7 @@ def test_hooks_stay_on_while_every_step_is_tracked_and_come_off_otherwise() -> N
     coll = next(c for c in probe.collections if isinstance(c, Embeddings))
 
     def hooks() -> tuple[int, int, int]:
-        return (len(model.table._forward_hooks), len(optim._global_optimizer_pre_hooks) - before[0],
+        return (int(type(model.table) is not torch.nn.Embedding), len(optim._global_optimizer_pre_hooks) - before[0],
                 len(optim._global_optimizer_post_hooks) - before[1])
 
     ids = torch.arange(8)
