@@ -1315,8 +1315,9 @@ class _Lookups:
     call, which leaves Module.__call__'s fast path: 11-18 us of a 0.9 ms ML-100k step for its four
     lookups, against 3-7 us this way (docs/embeddings.md). The subclass keeps its class's name (the model
     prints as before); a copy or a pickle of the module is of its own class again, untracked; a replica's
-    lookups (nn.DataParallel) are the table's, as a hook's were. Should the class not take a subclass, a
-    forward hook does it."""
+    lookups (nn.DataParallel) are the table's, as a hook's were. Where the module has a forward of its own
+    (set on the instance, as accelerate's hooks do: the class's would not run) or its class takes no
+    subclass, a forward hook does it."""
 
     def __init__(self, module: torch.nn.Module, coll: Embeddings, table: TableState) -> None:
         self.module, self.table, self.coll = module, table, weakref.ref(coll)
@@ -1327,7 +1328,9 @@ class _Lookups:
 
     def put_on(self) -> None:
         m = self.module
-        if self.cls is not None and type(m) is self.base:
+        if "forward" in vars(m):  # a forward of the module's own (accelerate's hooks) would bypass the class's
+            self.cls, self._hook = None, m.register_forward_hook(self._on_lookup, with_kwargs=True)
+        elif self.cls is not None and type(m) is self.base:
             m.__class__ = self.cls
         elif self.cls is None or type(m) is not self.cls:  # first, or the module's class changed since
             try:

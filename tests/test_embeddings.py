@@ -314,8 +314,9 @@ def test_sparse_adam_and_untracked_steps(path: str) -> None:
 def test_a_tracked_module_reads_as_before_and_its_copies_are_untracked() -> None:
     """The lookups are kept by putting the table's module under a subclass of its class (torch's hooked
     module call costs more than the lookup): the model prints as before, a deep copy or a pickle of it (an
-    EMA model, torch.save) is an nn.Embedding again whose lookups are its own, a compiled model's lookups
-    are kept with no graph break or recompile, and close() puts the class back."""
+    EMA model, torch.save) is an nn.Embedding again whose lookups are its own, close() puts the class back,
+    a module with a forward of its own is tracked by a hook, and a compiled model's lookups are kept with
+    no graph break or recompile."""
     from torch._dynamo.utils import counters
     model = Toy(rows=12, dim=2)
     printed = repr(model)
@@ -336,6 +337,17 @@ def test_a_tracked_module_reads_as_before_and_its_copies_are_untracked() -> None
     assert table_state(probe).touches[:9].tolist() == [3.0] * 8 + [0.0]
     probe.close()
     assert type(model.table) is torch.nn.Embedding
+
+    # A forward set on the instance (as accelerate's hooks set it) would bypass the class's: a hook, then.
+    model = Toy(rows=12, dim=2)
+    own = model.table.forward
+    model.table.forward = lambda *args, **kwargs: own(*args, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe, _ = attach(model, opt)
+    train(model, probe, 2, ids=torch.arange(8), opt=opt)
+    assert type(model.table) is torch.nn.Embedding and table_state(probe).touches[:9].tolist() == [2.0] * 8 + [0.0]
+    probe.close()
+    assert not model.table._forward_hooks
 
     torch._dynamo.reset()
     compiled = torch.compile(Toy(rows=12, dim=2), backend="aot_eager")
