@@ -1328,16 +1328,10 @@ class _Lookups:
 
     def put_on(self) -> None:
         m = self.module
-        if "forward" in vars(m):  # a forward of the module's own (accelerate's hooks) would bypass the class's
-            self.cls, self._hook = None, m.register_forward_hook(self._on_lookup, with_kwargs=True)
-        elif self.cls is not None and type(m) is self.base:
-            m.__class__ = self.cls
-        elif self.cls is None or type(m) is not self.cls:  # first, or the module's class changed since
-            try:
-                self.base, self.cls = type(m), self._subclass(type(m))
-                m.__class__ = self.cls
-            except TypeError:  # a class that takes no subclass (or no other __class__)
-                self.cls, self._hook = None, m.register_forward_hook(self._on_lookup, with_kwargs=True)
+        # A forward set on the instance (accelerate's hooks set one) would bypass the class's.
+        if "forward" in vars(m) or not self._put_class(m):
+            self.cls, self._on = None, [False]
+            self._hook = m.register_forward_hook(self._on_lookup, with_kwargs=True)
         self._on[0] = True
 
     def remove(self) -> None:
@@ -1348,24 +1342,26 @@ class _Lookups:
         elif type(self.module) is self.cls:  # else another subclass went on top since: this one stays, off
             self.module.__class__ = self.base
 
+    def _put_class(self, m: torch.nn.Module) -> bool:
+        """Put ``m`` under the subclass (made again when its class changed since); False where its class
+        takes no subclass (or no other __class__)."""
+        try:
+            if self.cls is None or type(m) is not self.base:
+                self.base, self.cls = type(m), self._subclass(type(m))
+            m.__class__ = self.cls
+        except TypeError:
+            return False
+        return True
+
     def _subclass(self, base: type) -> type:
         # A list of its own: a subclass left under another one's (see remove) stays off for good.
         self._on = on = [False]
-        ref, table = self.coll, self.table
-        base_forward, grad_enabled, tensor = base.forward, torch.is_grad_enabled, torch.Tensor
+        ref, table, base_forward = self.coll, self.table, base.forward
 
         def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             out = base_forward(self, *args, **kwargs)
-            # Kept once the lookup is made (ids it refused never reach the kernel). The ids are the first
-            # argument, passed by position or as ``input=`` (both modules' forward(input, ...)): a lookup by
-            # keyword missed would leave its rows learning, untracked. Lookups made without autograd
-            # (evaluation) teach the table nothing.
-            if on[0] and grad_enabled():
-                coll = ref()
-                if coll is not None and coll._armed:
-                    ids = args[0] if args else kwargs.get("input")
-                    if isinstance(ids, tensor):
-                        table.lookups.append(ids)  # integer ids (no autograd history), flattened in gather()
+            if on[0]:  # kept once the lookup is made: ids it refused never reach the kernel
+                _keep_lookup(ref, table, args, kwargs)
             return out
 
         def __reduce_ex__(self: torch.nn.Module, protocol: Any) -> Any:  # copies and pickles: the class's own
@@ -1379,11 +1375,21 @@ class _Lookups:
         return cls
 
     def _on_lookup(self, module: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        coll = self.coll()
-        if self._on[0] and coll is not None and coll._armed and torch.is_grad_enabled():
+        if self._on[0]:
+            _keep_lookup(self.coll, self.table, args, kwargs)
+
+
+def _keep_lookup(coll: Callable[[], Embeddings | None], table: TableState, args: tuple, kwargs: dict) -> None:
+    """A lookup's ids into its table's ``lookups``, while the collection (``coll``, a weak reference) is
+    armed. Lookups made without autograd (evaluation) teach the table nothing. The ids are the first
+    argument, passed by position or as ``input=`` (both modules' forward(input, ...)): a lookup by keyword
+    missed would leave its rows learning, untracked."""
+    if torch.is_grad_enabled():
+        c = coll()
+        if c is not None and c._armed:
             ids = args[0] if args else kwargs.get("input")
             if isinstance(ids, torch.Tensor):
-                self.table.lookups.append(ids)
+                table.lookups.append(ids)  # integer ids (no autograd history), flattened in gather()
 
 
 class Embeddings(Collection):
