@@ -430,9 +430,13 @@ def _time_arms(turns: dict, n: int, block: int) -> dict[str, tuple[float, float]
     drift of the machine's speed within the repeat weighs on every arm alike). ``turns[arm](b)``: that arm's
     times per step over b more steps."""
     wall, cpu = dict.fromkeys(turns, 0.0), dict.fromkeys(turns, 0.0)
-    for at in range(0, n, block):
+    order = list(turns.items())
+    for j, at in enumerate(range(0, n, block)):
         b = min(block, n - at)
-        for arm, turn in turns.items():
+        # Each block starts with the next arm: an arm's place in the turn (after which arm's events the
+        # server is still storing, say) falls on every arm alike. In a fixed order, 'on' and 'inline', the
+        # same code for natively tracked tables, read 1.174x and 1.129x on the sparse 1M table.
+        for arm, turn in order[j % len(order):] + order[:j % len(order)]:
             w, c = turn(b)
             wall[arm] += w * b
             cpu[arm] += c * b
