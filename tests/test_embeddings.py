@@ -1078,11 +1078,10 @@ def test_rows_whose_data_pulled_hard_stay_listed_as_conflicted_once_it_no_longer
     t = table_state(probe)
     mean = t._run[:5, 2] / t._run[:5, 1]
     assert (mean < t._run[:5, 3] - 0.3).all()  # where a mean over the run would have faded to
-    assert torch.equal(t.conflict_score(torch.arange(5)),
-                       torch.tensor([r["run_score"] for r in sorted(last["conflicted"][:5], key=lambda r: r["row"])]))
+    by_row = sorted(last["conflicted"][:5], key=lambda r: r["row"])  # rows 0-4, as the record's
+    assert torch.equal(t.conflict_score(torch.arange(5)), torch.tensor([r["run_score"] for r in by_row]))
     assert torch.allclose(t.run_noise(torch.arange(5)).double(),
-                          torch.tensor([r["run_noise"] for r in sorted(last["conflicted"][:5], key=lambda r: r["row"])],
-                                       dtype=torch.float64))
+                          torch.tensor([r["run_noise"] for r in by_row], dtype=torch.float64))
     probe.close()
 
 
