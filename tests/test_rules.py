@@ -150,3 +150,44 @@ def test_overfitting_holds_between_rare_validations():
     batches = sorted({lo for lo, _ in findings})
     assert batches == list(range(batches[0], 600, 50))  # reported in every batch once it began
     assert batches[0] <= 200
+
+
+# -- the same events, however they are cut into batches, give the same anomalies --------------------------
+def _first_steps(events: list[dict], cuts: list[int], tmp_path: Path, run: str) -> dict[str, tuple[int, str]]:
+    """Feed ``events`` (a recorded run, in order) to a real store and engine in batches that end before each
+    index of ``cuts``; the first step and the severity of each kind's first anomaly."""
+    store, engine = Store(tmp_path / run), Engine()
+    bounds = [0, *cuts, len(events)]
+    for seq, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        if hi > lo:
+            _feed(store, engine, run, events[lo:hi], seq)
+    rows = store.read().execute("SELECT kind, first_step, severity FROM anomalies WHERE run=? ORDER BY seq",
+                                (run,)).fetchall()
+    store.close()
+    first: dict[str, tuple[int, str]] = {}
+    for kind, step, severity in rows:
+        first.setdefault(kind, (step, severity))
+    return first
+
+
+@pytest.mark.parametrize("case", ["dead_relu_bias", "tiny_lr", "too_high_lr", "memorise_tiny_train_set"])
+def test_one_batch_or_many_give_the_same_first_step(tmp_path, case):
+    """A job's events imported whole, posted as one batch, or streamed in batches of one step or of random
+    sizes: each anomaly begins at the step where its condition first held (the fault suite's dead ReLU at
+    step 0; before, the one batch said step 55, the last sample of the batch that held it)."""
+    import random
+
+    from benchmarks.faults import by_step, recorded
+
+    events = recorded(case)
+    per_step = [ev for group in by_step(events) for ev in group]  # run_start first
+    steps = [i for i in range(1, len(per_step)) if per_step[i]["step"] != per_step[i - 1]["step"]]
+    rng = random.Random(0)
+    expected = _first_steps(per_step, steps, tmp_path, "steps")
+    assert expected, f"{case} raised nothing"
+    assert _first_steps(per_step, [], tmp_path, "one") == expected
+    for trial in range(2):
+        cuts = sorted(rng.sample(range(1, len(per_step)), k=len(per_step) // 7))
+        assert _first_steps(per_step, cuts, tmp_path, f"random{trial}") == expected
+    if case == "dead_relu_bias":
+        assert expected["dead_relu"][0] == 0

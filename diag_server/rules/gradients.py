@@ -6,7 +6,8 @@ import math
 
 from schemas.enums import AnomalyKind, Severity
 
-from .base import Finding, Observations, Param, Rule, median, push, streak, weight_matrices
+from .base import (Finding, LossHistory, Observations, Param, Rule, median, per_key, push, streak,
+                   weight_matrices)
 
 
 def global_norm(rows: list[dict]) -> float | None:
@@ -68,7 +69,7 @@ class ExplodingGradient(Rule):
                          + f"; largest growth in '{worst[0]}'. Clip gradients or lower the learning rate."),
                 evidence={"global_norm": g, "healthy_median": base, "ratio": ratio,
                           "worst_tensor": worst[0], "factor": self.p.factor}))
-        return out
+        return per_key(out, obs.interval)
 
 
 def _rms(row: dict) -> float | None:
@@ -93,21 +94,20 @@ class VanishingGradient(Rule):
     }
 
     def initial_state(self) -> dict:
-        return {"streak": 0, "loss": None}
+        return {"streak": 0}
 
     def observe(self, state: dict, obs: Observations) -> list[Finding]:
-        for _, v in obs.series("loss"):
-            if v is not None:
-                state["loss"] = v
         out: list[Finding] = []
+        loss = LossHistory(state, obs)
         for step, rows in obs.sampled("gradients"):
+            loss.upto(step)
             mats = [r for r in weight_matrices(obs, rows) if _rms(r) is not None]
             if len(mats) < 2:
                 continue
             first, last = _rms(mats[0]), _rms(mats[-1])
             ratio = first / last if last else None
             total = math.sqrt(sum(r["norm"] ** 2 for r in mats) / max(sum(r["numel"] for r in mats), 1))
-            loss_matters = state["loss"] is None or state["loss"] > self.p.min_loss
+            loss_matters = loss.now is None or loss.now > self.p.min_loss
             vanishing = loss_matters and ((ratio is not None and ratio < self.p.ratio) or total < self.p.absolute)
             if streak(state, "streak", vanishing) < self.p.patience:
                 continue
@@ -115,10 +115,11 @@ class VanishingGradient(Rule):
             why = (f"the first weight layer '{mats[0]['name']}' gets {ratio:.2g}x the RMS gradient of the last "
                    f"'{mats[-1]['name']}'" if ratio is not None and ratio < self.p.ratio
                    else f"the RMS gradient over all weights is {total:.2g}")
-            out = [Finding(AnomalyKind.vanishing_gradient, Severity.warning, step, tensors=tiny,
-                           message=(f"Vanishing gradients at step {step}: {why}, so the early layers barely learn. "
-                                    "Use ReLU-family activations, normalisation layers, residual connections or "
-                                    "a better initialisation."),
-                           evidence={"first_last_ratio": ratio, "rms_gradient": total, "first": mats[0]["name"],
-                                     "last": mats[-1]["name"], "ratio_threshold": self.p.ratio})]
-        return out
+            out.append(Finding(AnomalyKind.vanishing_gradient, Severity.warning, step, tensors=tiny,
+                               message=(f"Vanishing gradients at step {step}: {why}, so the early layers barely learn. "
+                                        "Use ReLU-family activations, normalisation layers, residual connections or "
+                                        "a better initialisation."),
+                               evidence={"first_last_ratio": ratio, "rms_gradient": total, "first": mats[0]["name"],
+                                         "last": mats[-1]["name"], "ratio_threshold": self.p.ratio}))
+        loss.finish()
+        return per_key(out, obs.interval)

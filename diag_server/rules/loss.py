@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from schemas.enums import AnomalyKind, Severity
 
-from .base import Finding, Observations, Param, Rule, median, push, streak
+from .base import Finding, Observations, Param, Rule, per_key, median, push, streak
 
 
 class LossDivergence(Rule):
@@ -50,11 +50,8 @@ class LossDivergence(Rule):
                              + ". Lower the learning rate or roll back."),
                     evidence={"loss_median": smooth, "best": best, "best_step": state["best_step"],
                               "ratio": smooth / scale, "initial": state["first"]})
-                if out and out[-1].kind == f.kind:
-                    out[-1] = f  # one finding per batch is enough; keep the latest evidence
-                else:
-                    out.append(f)
-        return out
+                out.append(f)
+        return per_key(out, obs.interval)
 
 
 class LossNotDecreasing(Rule):
@@ -93,13 +90,13 @@ class LossNotDecreasing(Rule):
                 continue
             if step - state["first_step"] + window < self.p.min_steps:
                 continue
-            out = [Finding(AnomalyKind.loss_not_decreasing, Severity.warning, step,
-                           message=(f"The loss has not decreased in {step} steps (median {smooth:.4g} vs "
-                                    f"{state['first']:.4g} at the start). Check the learning rate (too small?), that "
-                                    "the optimizer holds the model's parameters, and that labels match inputs."),
-                           evidence={"loss_median": smooth, "initial": state["first"], "steps": step,
-                                     "min_drop": self.p.min_drop})]
-        return out
+            out.append(Finding(AnomalyKind.loss_not_decreasing, Severity.warning, step,
+                               message=(f"The loss has not decreased in {step} steps (median {smooth:.4g} vs "
+                                        f"{state['first']:.4g} at the start). Check the learning rate (too small?), that "
+                                        "the optimizer holds the model's parameters, and that labels match inputs."),
+                               evidence={"loss_median": smooth, "initial": state["first"], "steps": step,
+                                         "min_drop": self.p.min_drop}))
+        return per_key(out, obs.interval)
 
 
 class OscillatingLoss(Rule):
@@ -136,13 +133,13 @@ class OscillatingLoss(Rule):
             turns = sum(1 for a, b in zip(deltas, deltas[1:]) if a * b < 0) / max(len(deltas) - 1, 1)
             scale = max(abs(state["initial"]), 1e-12)
             if jump / scale > self.p.amplitude and turns >= self.p.min_turns:
-                out = [Finding(AnomalyKind.oscillating_loss, Severity.warning, step,
-                               message=(f"The loss swings by a median {jump:.3g} per step around step {step} "
-                                        f"({jump / scale:.1f}x its initial value {scale:.3g}). Lower the learning rate "
-                                        "or use larger batches."),
-                               evidence={"median_jump": jump, "initial": scale, "turns": turns,
-                                         "amplitude": self.p.amplitude})]
-        return out
+                out.append(Finding(AnomalyKind.oscillating_loss, Severity.warning, step,
+                                   message=(f"The loss swings by a median {jump:.3g} per step around step {step} "
+                                            f"({jump / scale:.1f}x its initial value {scale:.3g}). Lower the learning rate "
+                                            "or use larger batches."),
+                                   evidence={"median_jump": jump, "initial": scale, "turns": turns,
+                                             "amplitude": self.p.amplitude}))
+        return per_key(out, obs.interval)
 
 
 class Overfitting(Rule):
@@ -176,8 +173,8 @@ class Overfitting(Rule):
                 state["train"] = value if state["train"] is None else 0.8 * state["train"] + 0.2 * value
                 held = state.get("holding")
                 if held:  # validation runs rarely: the finding holds until the next evaluation says otherwise
-                    out = [Finding(AnomalyKind.overfitting, Severity.warning, step, message=held["message"],
-                                   evidence=held["evidence"])]
+                    out.append(Finding(AnomalyKind.overfitting, Severity.warning, step, message=held["message"],
+                                       evidence=held["evidence"]))
                 continue
             if state["first"] is None:
                 state["first"] = value
@@ -198,6 +195,6 @@ class Overfitting(Rule):
                     "evidence": {"val_loss": value, "best_val_loss": state["best"], "best_step": state["best_step"],
                                  "train_loss": state["train"], "margin": self.p.margin}}
             state["holding"] = held
-            out = [Finding(AnomalyKind.overfitting, Severity.warning, step, message=held["message"],
-                           evidence=held["evidence"])]
-        return out
+            out.append(Finding(AnomalyKind.overfitting, Severity.warning, step, message=held["message"],
+                               evidence=held["evidence"]))
+        return per_key(out, obs.interval)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from schemas.enums import AnomalyKind, Severity
 
-from .base import Finding, Observations, Param, Rule, median, push, streak
+from .base import Finding, Observations, Param, Rule, per_key, median, push, streak
 
 
 def _by_step(obs: Observations, *names: str) -> dict[int, dict[str, float]]:
@@ -55,13 +55,13 @@ class DataloaderBottleneck(Rule):
             # A slow loader costs about the same every step; a starved CPU makes erratic pauses.
             if len(waits) < self.p.patience or max(waits) > self.p.spread * min(waits):
                 continue
-            out = [Finding(AnomalyKind.dataloader_bottleneck, Severity.warning, step,
-                           message=(f"{frac:.0%} of a step ({wait * 1e3:.1f} ms of {total * 1e3:.1f} ms) is spent "
-                                    f"waiting for data at step {step}. Use DataLoader workers (num_workers>0, "
-                                    "pin_memory, prefetch) or move decoding out of the training loop."),
-                           evidence={"data_wait_s": wait, "step_time_s": total, "fraction": frac,
-                                     "threshold": self.p.fraction})]
-        return out
+            out.append(Finding(AnomalyKind.dataloader_bottleneck, Severity.warning, step,
+                               message=(f"{frac:.0%} of a step ({wait * 1e3:.1f} ms of {total * 1e3:.1f} ms) is spent "
+                                        f"waiting for data at step {step}. Use DataLoader workers (num_workers>0, "
+                                        "pin_memory, prefetch) or move decoding out of the training loop."),
+                               evidence={"data_wait_s": wait, "step_time_s": total, "fraction": frac,
+                                         "threshold": self.p.fraction}))
+        return per_key(out, obs.interval)
 
 
 class StepTimeOutlier(Rule):
@@ -97,12 +97,12 @@ class StepTimeOutlier(Rule):
             if not outlier:
                 continue
             count = sum(state["flags"])
-            out = [Finding(AnomalyKind.step_time_outlier,
-                           Severity.warning if count >= self.p.warn_outliers else Severity.info, step,
-                           message=(f"A step before step {step} took {worst:.3g} s, {worst / base:.0f}x the median "
-                                    f"{base:.3g} s ({count} such stall(s) in the last {len(state['flags'])} samples)."),
-                           evidence={"step_time_max_s": worst, "median_s": base, "outliers": count})]
-        return out
+            out.append(Finding(AnomalyKind.step_time_outlier,
+                               Severity.warning if count >= self.p.warn_outliers else Severity.info, step,
+                               message=(f"A step before step {step} took {worst:.3g} s, {worst / base:.0f}x the median "
+                                        f"{base:.3g} s ({count} such stall(s) in the last {len(state['flags'])} samples)."),
+                               evidence={"step_time_max_s": worst, "median_s": base, "outliers": count}))
+        return per_key(out, obs.interval)
 
 
 class MemoryGrowth(Rule):
@@ -139,14 +139,14 @@ class MemoryGrowth(Rule):
                 if growth > self.p.min_growth_mb and ups >= self.p.monotone:
                     rate = growth / max(hist[-1][0] - hist[0][0], 1)
                     what = "Host memory (RSS)" if name == "sys/rss_mb" else "CUDA allocated memory"
-                    out = [f for f in out if f.key != name] + [Finding(
+                    out.append(Finding(
                         AnomalyKind.memory_growth, Severity.warning, step, key=name, tensors=[name],
                         message=(f"{what} grew {growth:.0f} MB over steps {hist[0][0]}-{step} "
                                  f"({rate:.2f} MB/step) and keeps growing. Something holds tensors across steps: "
                                  "append loss.item() not loss, detach what you keep, clear caches."),
                         evidence={"series": name, "growth_mb": growth, "mb_per_step": rate, "from_step": hist[0][0],
-                                  "value_mb": hist[-1][1]})]
-        return out
+                                  "value_mb": hist[-1][1]}))
+        return per_key(out, obs.interval)
 
 
 class GpuMemoryFragmentation(Rule):
@@ -171,9 +171,9 @@ class GpuMemoryFragmentation(Rule):
             frag = free / reserved
             if streak(state, "streak", frag > self.p.fraction and free > self.p.min_mb) < self.p.patience:
                 continue
-            out = [Finding(AnomalyKind.gpu_memory_fragmentation, Severity.warning, step,
-                           message=(f"The CUDA allocator reserves {reserved:.0f} MB but tensors use {alloc:.0f} MB "
-                                    f"({frag:.0%} unused) at step {step}. Set PYTORCH_CUDA_ALLOC_CONF="
-                                    "expandable_segments:True, or keep tensor shapes steady."),
-                           evidence={"reserved_mb": reserved, "allocated_mb": alloc, "fraction": frag})]
-        return out
+            out.append(Finding(AnomalyKind.gpu_memory_fragmentation, Severity.warning, step,
+                               message=(f"The CUDA allocator reserves {reserved:.0f} MB but tensors use {alloc:.0f} MB "
+                                        f"({frag:.0%} unused) at step {step}. Set PYTORCH_CUDA_ALLOC_CONF="
+                                        "expandable_segments:True, or keep tensor shapes steady."),
+                               evidence={"reserved_mb": reserved, "allocated_mb": alloc, "fraction": frag}))
+        return per_key(out, obs.interval)

@@ -6,7 +6,8 @@ import math
 
 from schemas.enums import AnomalyKind, Severity
 
-from .base import Finding, Observations, Param, Rule, median, streak, weight_matrices
+from .base import (Finding, LossHistory, Observations, Param, Rule, median, per_key, streak,
+                   weight_matrices)
 
 _INIT_CHECKED = ("Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
                  "Bilinear")
@@ -41,14 +42,14 @@ class PoorWeightInit(Rule):
                     bad.append((r["name"], scaled))
             if bad:
                 name, scaled = bad[0]
-                out = [Finding(AnomalyKind.poor_weight_init, Severity.warning, step, tensors=[n for n, _ in bad],
-                               message=(f"'{name}' starts with std*sqrt(fan_in) = {scaled:.3g} (standard inits give "
-                                        "0.6-1.4): activations will " + ("explode" if scaled > 1 else "vanish or stay "
-                                        "symmetric") + " through depth. Use the default, Kaiming or Xavier init."),
-                               evidence={"tensor": name, "scaled_std": scaled, "factor": self.p.factor,
-                                         "tensors": [n for n, _ in bad]})]
+                out.append(Finding(AnomalyKind.poor_weight_init, Severity.warning, step, tensors=[n for n, _ in bad],
+                                   message=(f"'{name}' starts with std*sqrt(fan_in) = {scaled:.3g} (standard inits give "
+                                            "0.6-1.4): activations will " + ("explode" if scaled > 1 else "vanish or stay "
+                                            "symmetric") + " through depth. Use the default, Kaiming or Xavier init."),
+                                   evidence={"tensor": name, "scaled_std": scaled, "factor": self.p.factor,
+                                             "tensors": [n for n, _ in bad]}))
             break
-        return out
+        return per_key(out, obs.interval)
 
 
 class AbnormalUpdateRatio(Rule):
@@ -67,30 +68,27 @@ class AbnormalUpdateRatio(Rule):
                           "tiny updates at a loss below this are not flagged"),
     }
 
-    def initial_state(self) -> dict:
-        return {"loss": None}
-
     def observe(self, state: dict, obs: Observations) -> list[Finding]:
-        for _, v in obs.series("loss"):
-            if v is not None:
-                state["loss"] = v
         out: list[Finding] = []
+        loss = LossHistory(state, obs)
         for step, rows in obs.sampled("updates"):
+            loss.upto(step)
             ratios = [r["update_ratio"] for r in weight_matrices(obs, rows) if r.get("update_ratio") is not None]
             if not ratios:
                 continue
             m = median(ratios)
-            fitted = state["loss"] is not None and state["loss"] < self.p.min_loss
+            fitted = loss.now is not None and loss.now < self.p.min_loss
             low, high = m < self.p.low and not fitted and m > 0, m > self.p.high
             if streak(state, "streak", low or high) < self.p.patience:
                 continue
             what = "too small to learn: check the learning rate" if low else \
                 "so large that every step rewrites the weights: lower the learning rate"
-            out = [Finding(AnomalyKind.abnormal_update_ratio, Severity.warning, step,
-                           message=f"Median update/weight ratio {m:.2g} at step {step} is {what} (healthy is ~1e-3).",
-                           evidence={"median_update_ratio": m, "low": self.p.low, "high": self.p.high,
-                                     "direction": "low" if low else "high"})]
-        return out
+            out.append(Finding(AnomalyKind.abnormal_update_ratio, Severity.warning, step,
+                               message=f"Median update/weight ratio {m:.2g} at step {step} is {what} (healthy is ~1e-3).",
+                               evidence={"median_update_ratio": m, "low": self.p.low, "high": self.p.high,
+                                         "direction": "low" if low else "high"}))
+        loss.finish()
+        return per_key(out, obs.interval)
 
 
 class UnchangedTensor(Rule):
@@ -107,19 +105,27 @@ class UnchangedTensor(Rule):
 
     def observe(self, state: dict, obs: Observations) -> list[Finding]:
         out: list[Finding] = []
-        grads = dict(obs.sampled("gradients"))
+        # The tensors with a gradient at each sampled step. The probe sends a step's gradients before its
+        # updates; the last sample's are kept, for a batch that ends between the two.
+        moved = {step: [r["name"] for r in rows if r.get("norm")] for step, rows in obs.sampled("gradients")}
+        last = state.pop("_gradients", None)
+        if last and last["step"] not in moved:
+            moved[last["step"]] = last["names"]
+        if moved:
+            step = max(moved)
+            state["_gradients"] = {"step": step, "names": moved[step]}
         for step, rows in obs.sampled("updates"):
-            gnorm = {r["name"]: r.get("norm") for r in grads.get(step, [])}
+            with_grad = set(moved.get(step, ()))
             held = []
             for r in rows:
-                g = gnorm.get(r["name"])
-                unchanged = r.get("update_ratio") is not None and r["update_ratio"] <= self.p.rtol and bool(g)
+                unchanged = (r.get("update_ratio") is not None and r["update_ratio"] <= self.p.rtol
+                             and r["name"] in with_grad)
                 if streak(state, r["name"], unchanged) >= self.p.samples:
                     held.append(r["name"])
             if held:
-                out = [Finding(AnomalyKind.unchanged_tensor, Severity.warning, step, tensors=held,
-                               message=(f"'{held[0]}'" + (f" and {len(held) - 1} more" if len(held) > 1 else "")
-                                        + f" get gradients but have not changed over {int(self.p.samples)} samples "
-                                        f"(step {step}). Is the parameter in the optimizer? Is its learning rate 0?"),
-                               evidence={"tensors": held, "samples": self.p.samples})]
-        return out
+                out.append(Finding(AnomalyKind.unchanged_tensor, Severity.warning, step, tensors=held,
+                                   message=(f"'{held[0]}'" + (f" and {len(held) - 1} more" if len(held) > 1 else "")
+                                            + f" get gradients but have not changed over {int(self.p.samples)} samples "
+                                            f"(step {step}). Is the parameter in the optimizer? Is its learning rate 0?"),
+                                   evidence={"tensors": held, "samples": self.p.samples}))
+        return per_key(out, obs.interval)
