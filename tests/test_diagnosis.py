@@ -181,3 +181,48 @@ def test_embedding_anomalies_naming_the_same_ids_in_two_tables_are_one_problem(t
         assert f"({echo}: the same ids in 'item_bias.weight', one problem in the data" in d.causes[0].explanation
     finally:
         store.close()
+
+
+def _causes(diag: dict) -> list[tuple]:
+    """A diagnosis as a person reads it: each cause's kind, step and tensor, and what it explains. Kinds about
+    the machine (step times, the data loader) are left out: they measure the machine, not the seeded job."""
+    from diag_server.diagnosis import RESOURCE_KINDS
+
+    machine = {k.value for k in RESOURCE_KINDS}
+    return [(c["kind"], c["step"], c["tensor"], c["explanation"].count(" -> ")) for c in diag["causes"]
+            if c["kind"] not in machine]
+
+
+def test_a_seeded_job_gets_the_same_diagnosis_however_its_events_arrive(tmp_path, one_torch_thread):
+    """The demo's job (an lr raised 10x at step 500), run twice through a real server with the probe flushing
+    every 10 ms and every second, so that its events reach the server in batches cut at different steps, and
+    once imported whole: one diagnosis. Before, the same job was diagnosed 'exploding_gradient at 540' once
+    and 'dead_relu at 520' the next time: each anomaly began at the last sample of the batch that showed it."""
+    from agent_examples.jobs import lr_spike_job
+    from diag_server.diagnosis import diagnose
+    from diag_server.engine import Engine
+    from diag_server.ingest import ingest
+    from diag_server.store import Store
+    from schemas.events import IngestBatch
+
+    srv = make_server(tmp_path)
+    srv.start()
+    try:
+        diagnoses = []
+        for run, flush in (("demo-fast", 0.01), ("demo-slow", 1.0)):
+            result = lr_spike_job(run=run, steps=800, fault_step=500, pace=0,
+                                  probe_kwargs={"server": srv.url, "spool_dir": tmp_path / run, "flush_interval": flush})
+            assert result.error is None
+            diagnoses.append(httpx.get(f"{srv.url}/v1/runs/{run}/diagnosis", headers=AUTH).json())
+    finally:
+        srv.stop()
+    sink = probes.MemorySink()
+    assert lr_spike_job(run="demo", steps=800, fault_step=500, pace=0, probe_kwargs={"sink": sink}).error is None
+    store = Store(tmp_path / "import")
+    ingest(store, Engine(), IngestBatch.model_validate({"batch_id": "the-whole-file", "run": "demo", "seq": 0,
+                                                       "events": sink.events}))
+    diagnoses.append(diagnose(store, "demo").model_dump(mode="json"))
+    store.close()
+    first = _causes(diagnoses[0])
+    assert first and first[0][1] >= 500, diagnoses[0]["report"]
+    assert [_causes(d) for d in diagnoses[1:]] == [first, first], [d["report"] for d in diagnoses]
