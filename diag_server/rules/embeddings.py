@@ -31,6 +31,13 @@ def _tables(obs: Observations) -> list[tuple[int, str, dict]]:
     return out
 
 
+def report_gap(obs: Observations) -> int:
+    """Steps between a batch's consecutive embedding reports, at least the sampling interval: the probe reports
+    tables on a schedule of their own, and a condition held at consecutive reports held all along."""
+    steps = sorted(step for step, _ in obs.sampled("embeddings"))
+    return max([obs.interval, *(b - a for a, b in zip(steps, steps[1:]))])
+
+
 def unused_tail(dead_ids: list, rows: int, never: int) -> int | None:
     """The first of the table's last ids when its rows never updated are exactly those (the report lists them
     lowest first, so the first listed is where they start): a table sized past the ids the data holds. None
@@ -206,7 +213,7 @@ class ZombieEmbedding(Rule):
                           "rows_named_in_run": [float(r) for r in so_far[:EVIDENCE_ROWS]],
                           "rows_named_in_run_count": len(so_far),
                           "max_consistency": self.p.max_consistency, "max_snr": self.p.max_snr}))
-        return per_key(out, obs.interval)
+        return per_key(out, report_gap(obs))
 
 
 class DeadEmbedding(Rule):
@@ -284,7 +291,7 @@ class DeadEmbedding(Rule):
                           "table_rows": e.get("rows"), "median_touches": median,
                           "tracked_steps": e.get("tracked_steps"), "nonfinite_rows": nonfinite, "tied_to": tied,
                           "learns_outside_lookups": outside, "past_data_range": past}))
-        return per_key(out, obs.interval)
+        return per_key(out, report_gap(obs))
 
 
 class EmbeddingCollapse(Rule):
@@ -322,4 +329,4 @@ class EmbeddingCollapse(Rule):
                 evidence={"table": name, "effective_rank": rank, "rank_ratio": ratio, "mean_cosine": cos,
                           "sampled_rows": n, "fraction": 1.0, "table_rows": e.get("rows"),
                           "min_rank_ratio": self.p.min_rank_ratio, "max_mean_cosine": self.p.max_mean_cosine}))
-        return per_key(out, obs.interval)
+        return per_key(out, report_gap(obs))
