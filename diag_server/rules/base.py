@@ -183,6 +183,26 @@ class LossHistory:
     def now(self) -> float | None:
         return median(self.s["recent"]) if self.s["recent"] else None
 
+    def improving(self, step: int) -> bool:
+        """The loss set a new low within the last SHORT steps before ``step``: the model is learning right now."""
+        return self.s["best_step"] is not None and self.s["best_step"] > step - self.SHORT
+
+    def fallen(self, fraction: float) -> bool:
+        """The loss is now below ``fraction`` of where the run began: it has learned."""
+        start, now = self.start, self.now
+        return start is not None and now is not None and now < fraction * start
+
+
+def learning_rate(obs: Observations) -> dict[int, float]:
+    """The largest learning rate of the optimizer's groups, by sampled step (the probe sends ``lr/group<i>``)."""
+    out: dict[int, float] = {}
+    for name, points in obs.scalars.items():
+        if name.startswith("lr/group"):
+            for s, v in points:
+                if v is not None:
+                    out[s] = max(out.get(s, v), v)
+    return out
+
 
 def weight_matrices(obs: Observations, rows: list[dict]) -> list[dict]:
     """Rows of weight matrices and kernels (2-D and up): biases and norm scales say little about scale."""
