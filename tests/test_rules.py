@@ -11,7 +11,7 @@ import pytest
 from diag_server.engine import Engine, EngineSettings
 from diag_server.ingest import ingest
 from diag_server.rules import BUILTIN, Observations
-from diag_server.rules.system import GpuMemoryFragmentation, StepTimeOutlier
+from diag_server.rules.system import GpuMemoryFragmentation, MemoryGrowth, StepTimeOutlier
 from diag_server.rules.weights import PoorWeightInit
 from diag_server.store import Store
 from schemas.enums import AnomalyKind
@@ -57,6 +57,20 @@ def test_gpu_fragmentation_needs_a_sustained_large_gap():
     assert found and found[0].kind == AnomalyKind.gpu_memory_fragmentation and found[0].evidence["fraction"] == 0.75
     small = [(s, {"sys/cuda_reserved_mb": 800.0, "sys/cuda_allocated_mb": 100.0}) for s in range(0, 30, 5)]
     assert GpuMemoryFragmentation().observe({}, _sys_obs(small)) == []  # 700 MB unused is not worth a warning
+
+
+def test_memory_that_settles_in_or_wanders_is_not_a_leak_and_a_leak_is():
+    """A GPT-2 of the healthy corpus at interval 100: its RSS rose 12 then 7 MB over its first two intervals (the
+    first evaluation, caches built on first use), then wandered within 10 MB. A leak keeps its pace."""
+    rss = [476, 488, 495, 490, 486, 492, 486, 495]  # the run's samples, steps 0-700
+    healthy = [(i * 100, {"sys/rss_mb": float(v)}) for i, v in enumerate(rss)]
+    rule = MemoryGrowth()
+    assert rule.observe(rule.initial_state(), _sys_obs(healthy, interval=100)) == []
+    state = rule.initial_state()  # the same, a sample per batch
+    assert [f for p in healthy for f in rule.observe(state, _sys_obs([p], interval=100))] == []
+    leak = [(s, {"sys/rss_mb": 400.0 + 4 * s}) for s in range(0, 30, 5)]  # 4 MiB kept every step
+    [found] = MemoryGrowth().observe(MemoryGrowth().initial_state(), _sys_obs(leak))
+    assert found.kind == AnomalyKind.memory_growth and found.first_step == 15  # samples 5, 10, 15
 
 
 def test_a_stall_of_the_job_is_info_and_a_busy_machine_is_nothing():
