@@ -14,9 +14,12 @@ from mcp.server.mcpserver import Context
 from mcp_types import ToolAnnotations
 from pydantic import Field
 
+from schemas.events import MAX_STEP, MAX_WORLD_SIZE
 from schemas.records import Capture, CaptureList, Timeline
 
 from . import captures, timeline
+from .http import ERRORS, MaxStep, MinStep, actor, respond
+from .render import NegotiatedRoute, offers
 from .services import Services
 from .tools import _READ, RunArg, _actor, _call
 
@@ -25,18 +28,17 @@ MAX_CAPTURE_STEPS = captures.MAX_CAPTURE_STEPS
 
 def build_router(services: Services, writer: list[Any]) -> APIRouter:
     """The distributed routes, with the main router's error responses and write guard (``writer``)."""
-    from .http import ERRORS, actor, respond
 
     store = services.store
-    r = APIRouter(responses=ERRORS)
+    r = APIRouter(responses=ERRORS, route_class=NegotiatedRoute)
 
     @r.get("/v1/runs/{run}/timeline", response_model=Timeline, tags=["distributed"],
            summary="The run's spans across ranks; ?format=chrome for a Chrome trace / Perfetto JSON file")
-    def get_timeline(request: Request, run: str, min_step: Annotated[int | None, Query(ge=0)] = None,
-                     max_step: Annotated[int | None, Query(ge=0)] = None,
+    @offers("json", "xml", "chrome")
+    def get_timeline(request: Request, run: str, min_step: MinStep = None, max_step: MaxStep = None,
                      limit: Annotated[int, Query(ge=1, le=timeline.MAX_SPANS)] = 20_000) -> Response:
         tl = timeline.timeline(store, run, min_step=min_step, max_step=max_step, limit=limit)
-        if request.query_params.get("format") == "chrome":
+        if request.state.format == "chrome":
             return Response(orjson.dumps(timeline.chrome_trace(tl)), media_type="application/json",
                             headers={"content-disposition": f'attachment; filename="{run}.trace.json"'})
         return respond(request, tl)
@@ -57,8 +59,12 @@ def build_router(services: Services, writer: list[Any]) -> APIRouter:
         return respond(request, captures.get(store, run, capture_id))
 
     @r.get("/v1/runs/{run}/captures/{capture_id}/trace", tags=["distributed"],
-           summary="torch.profiler's Chrome trace from one rank of a capture")
-    def capture_trace(run: str, capture_id: str, rank: Annotated[int, Query(ge=0)] = 0) -> Response:
+           summary="torch.profiler's Chrome trace from one rank of a capture",
+           responses={200: {"content": {"application/json": {"schema": {"type": "object"}}},
+                            "description": "The Chrome trace (JSON) torch.profiler wrote on that rank."}})
+    @offers("json")
+    def capture_trace(run: str, capture_id: str,
+                      rank: Annotated[int, Query(ge=0, le=MAX_WORLD_SIZE - 1)] = 0) -> Response:
         return Response(captures.trace(store, run, capture_id, rank), media_type="application/json",
                         headers={"content-disposition": f'attachment; filename="{run}.{capture_id}.rank{rank}.json"'})
 
@@ -72,8 +78,10 @@ def register_tools(tool: Callable[[ToolAnnotations], Callable[..., Any]], servic
     @tool(_READ)
     async def get_timeline(
         run: RunArg,
-        min_step: Annotated[int | None, Field(ge=0, description="Only spans of steps at or after this one.")] = None,
-        max_step: Annotated[int | None, Field(ge=0, description="Only spans of steps at or before this one.")] = None,
+        min_step: Annotated[int | None, Field(ge=0, le=MAX_STEP, description="Only spans of steps at or after this "
+                                                                             "one.")] = None,
+        max_step: Annotated[int | None, Field(ge=0, le=MAX_STEP, description="Only spans of steps at or before this "
+                                                                             "one.")] = None,
         limit: Annotated[int, Field(ge=1, le=20000, description="Most spans returned (the latest steps).")] = 500,
     ) -> Timeline:
         """Where each rank's step time goes. `ranks` gives every rank (host, local rank, last step) with its

@@ -1,29 +1,29 @@
 """The HTTP API: ingest for probes, and the same queries as the MCP tools for people, in JSON or XML.
 
 Routes are thin: each parses its parameters, calls the shared query or fix function, and hands the
-record to ``respond``, which renders it in the format the client asked for (the renderers are a
-registry of small functions, as datasette's output formats are).
+record to ``respond``, which renders it in the format the client asked for. That format is settled
+before the route runs (``render.NegotiatedRoute``), so a request the server cannot answer changes nothing.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Callable, Literal
+from typing import Annotated, Literal
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas.enums import SCHEMA_VERSION, AnomalyKind, AnomalyStatus, Collection, FixStatus, Severity
-from schemas.events import MAX_EMBEDDING_ROWS, IngestReply
+from schemas.events import INT64_MAX, MAX_EMBEDDING_ROWS, MAX_STEP, MAX_WORLD_SIZE, IngestReply
 from schemas.records import (Anomaly, AnomalyPage, AuditPage, CompressionRecipe, Diagnosis, EmbeddingTables, Error, Fix,
                              FixList, FixPage, Health, Heatmap, RunHistory, RunPage, RunSummary, Series, SeriesSet)
 
 from . import compression, diagnosis, fixes, queries, views
 from .errors import ApiError
 from .ingest import MAX_BODY_BYTES, ingest, parse_batch
+from .render import NegotiatedRoute, error_response, offers, respond
 from .retention import delete_run
 from .security import authorized
 from .services import Services
@@ -32,71 +32,13 @@ from .stream import run_updates
 # The same paging and step-range parameters on every list, with the same bounds.
 Offset = Annotated[int, Query(ge=0, le=2**31, description="Skip this many items (see next_offset).")]
 Limit = Annotated[int, Query(ge=1, le=queries.MAX_PAGE, description="Page size.")]
-MinStep = Annotated[int | None, Query(ge=0, le=2**53, description="Only items still holding at or after this step.")]
-MaxStep = Annotated[int | None, Query(ge=0, le=2**53, description="Only items that began at or before this step.")]
+MinStep = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="Only items still holding at or after this step.")]
+MaxStep = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="Only items that began at or before this step.")]
 MaxPoints = Annotated[int, Query(ge=2, le=10000, description="Downsample each series to at most this many points, "
                                                              "keeping each bucket's min and max (spikes survive).")]
 StatName = Literal["numel", "norm", "mean", "std", "min", "max", "nan_count", "inf_count", "zero_frac", "dead_frac",
                    "saturated_frac", "update_ratio"]  # the stored columns (store.STAT_COLUMNS); a test keeps them equal
 StatField = Annotated[StatName, Query(description="Statistic of each tensor.")]
-
-
-def _json(model: BaseModel) -> bytes:
-    return model.model_dump_json().encode()
-
-
-def _xml(model: BaseModel) -> bytes:
-    from .xml import to_xml
-
-    return to_xml(model)
-
-
-RENDERERS: dict[str, tuple[str, Callable[[BaseModel], bytes]]] = {
-    "json": ("application/json", _json),
-    "xml": ("application/xml", _xml),
-}
-_MEDIA = {"application/json": "json", "application/xml": "xml", "text/xml": "xml", "application/*": "json",
-          "*/*": "json"}
-
-
-def negotiate(request: Request) -> str:
-    fmt = request.query_params.get("format")
-    if fmt is not None:
-        if fmt not in RENDERERS:
-            raise ApiError(406, "not_acceptable", f"format={fmt!r} is not offered; use one of: {', '.join(RENDERERS)}")
-        return fmt
-    accept = request.headers.get("accept") or "*/*"
-    ranked = []
-    for i, part in enumerate(accept.split(",")):
-        media, _, params = part.strip().partition(";")
-        q = 1.0
-        for p in params.split(";"):
-            k, _, v = p.strip().partition("=")
-            if k == "q":
-                try:
-                    q = float(v)
-                except ValueError:
-                    q = 0.0
-        if media.strip().lower() in _MEDIA and q > 0:
-            ranked.append((-q, i, _MEDIA[media.strip().lower()]))
-    if not ranked:
-        raise ApiError(406, "not_acceptable", f"cannot answer with {accept!r}; offered: application/json, "
-                       "application/xml (or ?format=json|xml)")
-    return min(ranked)[2]
-
-
-def respond(request: Request, model: BaseModel, status: int = 200) -> Response:
-    media, render = RENDERERS[negotiate(request)]
-    return Response(render(model), status_code=status, media_type=media)
-
-
-def error_response(request: Request, err: ApiError) -> Response:
-    try:
-        fmt = negotiate(request)
-    except ApiError:
-        fmt = "json"  # the client accepts nothing we offer: the error itself still has to be readable
-    media, render = RENDERERS[fmt]
-    return Response(render(err.body()), status_code=err.status, media_type=media, headers=err.headers)
 
 
 def actor(request: Request) -> str:
@@ -109,7 +51,7 @@ def actor(request: Request) -> str:
     return f"person:{who[:64]}" if who else f"http:{host}"
 
 
-ERRORS = {s: {"model": Error} for s in (400, 401, 403, 404, 406, 409, 413, 422, 500)}
+ERRORS = {s: {"model": Error} for s in (400, 401, 403, 404, 406, 409, 413, 421, 422, 500)}
 # Ingest also answers 503 (overloaded: back off for Retry-After seconds) and 507 (data directory full).
 INGEST_ERRORS = {s: {"model": Error} for s in (503, 507)}
 
@@ -131,7 +73,7 @@ def build_router(services: Services) -> APIRouter:
             raise ApiError(401, "unauthorized", "this route needs 'Authorization: Bearer <token>' (see TRAINDX_TOKEN)")
 
     writer = [Depends(require_token)]
-    r = APIRouter(responses=ERRORS)
+    r = APIRouter(responses=ERRORS, route_class=NegotiatedRoute)
 
     @r.get("/health", response_model=Health, tags=["server"])
     def health(request: Request) -> Response:
@@ -147,7 +89,6 @@ def build_router(services: Services) -> APIRouter:
     @r.post("/v1/ingest", response_model=IngestReply, dependencies=writer, tags=["ingest"], responses=INGEST_ERRORS,
             summary="Store a probe's batch of events (idempotent by batch_id) and return pending fix commands")
     async def ingest_batch(request: Request) -> Response:
-        negotiate(request)  # refuse an unanswerable Accept before anything is stored
         # Back-pressure before reading the body: the probe keeps the batch in its spool and retries.
         if services.pending_ingest >= settings.max_pending_ingest:
             raise ApiError(503, "overloaded", f"{services.pending_ingest} batches are waiting to be stored; "
@@ -252,7 +193,7 @@ def build_router(services: Services) -> APIRouter:
                                                                           "collection; omit for a scalar.")] = None,
                field: StatField = "norm",
                min_step: MinStep = None, max_step: MaxStep = None, max_points: MaxPoints = 500,
-               rank: Annotated[int | None, Query(ge=0, le=1_000_000, description="One rank's points only.")] = None,
+               rank: Annotated[int | None, Query(ge=0, le=MAX_WORLD_SIZE - 1, description="One rank's points only.")] = None,
                ) -> Response:
         return respond(request, queries.series(store, run, name, collection=collection.value if collection else None,
                                                field=field, max_points=max_points, min_step=min_step,
@@ -300,6 +241,7 @@ def build_router(services: Services) -> APIRouter:
            responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
                             "description": "A text/event-stream; each 'update' event's data is JSON with the "
                                            "run's last_step, status, open anomalies and a change counter."}})
+    @offers("event-stream")
     async def stream(request: Request, run: str) -> Response:
         queries.require_run(store.read(), run)
         from sse_starlette.sse import EventSourceResponse
@@ -309,17 +251,17 @@ def build_router(services: Services) -> APIRouter:
     @r.get("/v1/runs/{run}/compression", response_model=CompressionRecipe, tags=["compression"])
     def compression_recipe(request: Request, run: str,
                            target_sparsity: Annotated[float, Query(ge=0.0, lt=1.0)] = 0.8,
-                           target_bytes: Annotated[int | None, Query(gt=0)] = None,
+                           target_bytes: Annotated[int | None, Query(gt=0, le=INT64_MAX)] = None,
                            structure: Literal["unstructured", "channels"] = "unstructured") -> Response:
         return respond(request, compression.recipe(store, run, target_sparsity, target_bytes=target_bytes,
                                                    structure=structure))
 
     @r.post("/v1/runs/{run}/compression/prune", response_model=Fix, dependencies=writer, tags=["compression"])
     def compression_prune(request: Request, run: str, target_sparsity: Annotated[float, Query(ge=0.0, lt=1.0)] = 0.8,
-                          target_bytes: Annotated[int | None, Query(gt=0)] = None,
+                          target_bytes: Annotated[int | None, Query(gt=0, le=INT64_MAX)] = None,
                           structure: Literal["unstructured", "channels"] = "unstructured",
                           rounds: Annotated[int, Query(ge=1, le=1000)] = 1,
-                          every: Annotated[int, Query(ge=0)] = 1) -> Response:
+                          every: Annotated[int, Query(ge=0, le=MAX_STEP)] = 1) -> Response:
         return respond(request, compression.propose_prune(store, run, target_sparsity, target_bytes=target_bytes,
                                                           structure=structure, rounds=rounds, every=every,
                                                           actor=actor(request)))
@@ -355,4 +297,4 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, err: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
         message = f"no route {request.method} {request.url.path}" if err.status_code in (404, 405) else str(err.detail)
-        return error_response(request, ApiError(err.status_code, code, message))
+        return error_response(request, ApiError(err.status_code, code, message[:500], headers=dict(err.headers or {})))

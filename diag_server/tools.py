@@ -17,7 +17,7 @@ from mcp_types import ToolAnnotations
 from pydantic import Field
 
 from schemas.enums import AnomalyKind, AnomalyStatus, Severity
-from schemas.events import MAX_EMBEDDING_ROWS
+from schemas.events import INT64_MAX, MAX_EMBEDDING_ROWS, MAX_STEP, MAX_WORLD_SIZE
 from schemas.records import (AnomalyPage, CompressionRecipe, Diagnosis, EmbeddingTables, Fix, FixList, RunList, RunSummary,
                              Series)
 
@@ -48,9 +48,27 @@ async def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     except ApiError as e:
         raise ToolError(f"{e.code}: {e}") from None
 
+class StrictArguments(MCPServer):
+    """An MCP server whose tools refuse an argument they do not take, before they run. The SDK drops
+    unknown arguments silently, so ``apply_fix(run, fix_id, dry_run=true)`` would apply the fix."""
+
+    _params: dict[str, frozenset[str]] | None = None
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        if self._params is None:
+            self._params = {t.name: frozenset(t.input_schema.get("properties", {})) for t in await self.list_tools()}
+        known = self._params.get(name)
+        unknown = sorted(set(arguments) - known) if known is not None else []
+        if unknown:
+            shown = ", ".join(repr(u[:64]) for u in unknown[:5])
+            raise ToolError(f"invalid_arguments: {name} does not take {shown}; it takes: {', '.join(sorted(known))}. "
+                            "Nothing was done.")
+        return await super().call_tool(name, arguments, context)
+
+
 def build_mcp(services: Services, version: str) -> MCPServer:
     store = services.store
-    server = MCPServer("traindx", instructions=INSTRUCTIONS, version=version)
+    server = StrictArguments("traindx", instructions=INSTRUCTIONS, version=version)
 
     def tool(annotations: ToolAnnotations) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register a tool; its description is its docstring without the source's indentation."""
@@ -79,9 +97,11 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         kind: Annotated[AnomalyKind | None, Field(description="Only this anomaly kind.")] = None,
         severity: Annotated[Severity | None, Field(description="Only this severity.")] = None,
         status: Annotated[AnomalyStatus | None, Field(description="open or resolved; default both.")] = None,
-        min_step: Annotated[int | None, Field(ge=0, description="Only anomalies still holding at or after this step.")] = None,
-        max_step: Annotated[int | None, Field(ge=0, description="Only anomalies that began at or before this step.")] = None,
-        offset: Annotated[int, Field(ge=0)] = 0,
+        min_step: Annotated[int | None, Field(ge=0, le=MAX_STEP, description="Only anomalies still holding at or "
+                                                                             "after this step.")] = None,
+        max_step: Annotated[int | None, Field(ge=0, le=MAX_STEP, description="Only anomalies that began at or "
+                                                                             "before this step.")] = None,
+        offset: Annotated[int, Field(ge=0, le=2**31)] = 0,
         limit: Annotated[int, Field(ge=1, le=200, description="Page size.")] = 20,
     ) -> AnomalyPage:
         """The run's anomalies, open and critical first: kind, severity, first and last step, tensors
@@ -134,7 +154,7 @@ def build_mcp(services: Services, version: str) -> MCPServer:
     async def compression_recipe(
         run: RunArg,
         target_sparsity: Annotated[float, Field(ge=0.0, lt=1.0, description="Fraction of all weights to zero.")] = 0.8,
-        target_bytes: Annotated[int | None, Field(gt=0, description="A size budget in bytes instead.")] = None,
+        target_bytes: Annotated[int | None, Field(gt=0, le=INT64_MAX, description="A size budget in bytes instead.")] = None,
         structure: Annotated[Literal["unstructured", "channels"],
                              Field(description="Prune single weights or whole output channels.")] = "unstructured",
     ) -> CompressionRecipe:
@@ -150,10 +170,11 @@ def build_mcp(services: Services, version: str) -> MCPServer:
     async def propose_prune(
         run: RunArg, ctx: Context,
         target_sparsity: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.8,
-        target_bytes: Annotated[int | None, Field(gt=0)] = None,
+        target_bytes: Annotated[int | None, Field(gt=0, le=INT64_MAX)] = None,
         structure: Literal["unstructured", "channels"] = "unstructured",
         rounds: Annotated[int, Field(ge=1, le=1000, description="Gradual pruning: rounds on a cubic ramp.")] = 1,
-        every: Annotated[int, Field(ge=0, description="Steps between two rounds; 0: all rounds at once.")] = 1,
+        every: Annotated[int, Field(ge=0, le=MAX_STEP, description="Steps between two rounds; 0: all rounds at "
+                                                                   "once.")] = 1,
     ) -> Fix:
         """A 'prune' fix carrying the compression recipe's per-layer sparsities. Apply it with apply_fix: the
         job picks masks by Fisher saliency (OBS update where it has K-FAC factors) and keeps them for the
@@ -177,7 +198,8 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         collection: Annotated[str | None, Field(description="weights, gradients, updates or activations.")] = None,
         field: Annotated[str, Field(description="Statistic of the tensor: norm, mean, std, ...")] = "norm",
         max_points: Annotated[int, Field(ge=2, le=2000)] = 100,
-        rank: Annotated[int | None, Field(ge=0, description="In a distributed run, only this rank's points.")] = None,
+        rank: Annotated[int | None, Field(ge=0, le=MAX_WORLD_SIZE - 1, description="In a distributed run, only this "
+                                                                                  "rank's points.")] = None,
     ) -> Series:
         """One metric over steps, downsampled to at most max_points."""
         return await _call(queries.series, store, run, name, collection=collection, field=field,
