@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from . import __version__, openapi
 from .dashboard import build_dashboard_router
 from .http import build_router, install_error_handlers
-from .security import SecurityMiddleware, allowed_hostnames, load_or_create_token, mcp_transport_security
+from .security import Authorities, SecurityMiddleware, load_or_create_token, mcp_transport_security
 from .metrics import build_router as build_metrics_router
 from .services import Services, Settings
 from .tools import build_mcp
@@ -24,10 +24,10 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     settings = services.settings
     if settings.token is None:
         settings.token = load_or_create_token(settings.data_dir)
-    hostnames = allowed_hostnames(settings.host, settings.allowed_hosts)
+    authorities = Authorities(settings.host, settings.port, settings.allowed_hosts, settings.allowed_origins)
     mcp = build_mcp(services, __version__)
     mcp_app = mcp.streamable_http_app(streamable_http_path="/mcp", host=settings.host,
-                                      transport_security=mcp_transport_security(hostnames))
+                                      transport_security=mcp_transport_security(authorities))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -45,5 +45,6 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     openapi.install(app)
     app.router.routes.extend(mcp_app.routes)  # the /mcp route, beside the REST routes
     # Outermost: Host/Origin and the token are checked before any route, /mcp included.
-    app.add_middleware(SecurityMiddleware, token=settings.token, hostnames=hostnames, open_reads=settings.open_reads)
+    app.add_middleware(SecurityMiddleware, token=settings.token, authorities=authorities,
+                       open_reads=settings.open_reads)
     return app

@@ -29,6 +29,27 @@ def _token(ctx: click.Context, param: click.Parameter, value: str | None) -> str
     return value
 
 
+def _hosts(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    from .security import parse_allowed_host
+
+    for entry in value:
+        if entry.strip() != "*":
+            try:
+                parse_allowed_host(entry)
+            except ValueError as e:
+                raise click.BadParameter(str(e)) from None
+    return value
+
+
+def _origins(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    from .security import parse_origin
+
+    try:
+        return tuple(parse_origin(v) for v in value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, envvar="TRAINDX_HOST",
               help="Interface to bind. Anything but loopback also needs --allow-remote. Env: TRAINDX_HOST.")
@@ -43,9 +64,15 @@ def _token(ctx: click.Context, param: click.Parameter, value: str | None) -> str
 @click.option("--open-reads", is_flag=True, envvar="TRAINDX_OPEN_READS",
               help="Serve GET routes without the token (writes, ingest and /mcp still need it). "
                    "Env: TRAINDX_OPEN_READS=1.")
-@click.option("--allow-host", "allow_hosts", multiple=True, envvar="TRAINDX_ALLOW_HOSTS",
-              help="Another Host name clients may use (DNS-rebinding check); repeatable; '*' switches the check "
-                   "off. Env: TRAINDX_ALLOW_HOSTS (space-separated).")
+@click.option("--allow-host", "allow_hosts", multiple=True, envvar="TRAINDX_ALLOW_HOSTS", callback=_hosts,
+              metavar="NAME[:PORT]",
+              help="Another Host clients may use (DNS-rebinding check): NAME at this port or without one (behind "
+                   "a proxy), NAME:PORT exactly (a forwarded port); repeatable; '*' switches the Host and Origin "
+                   "checks off. Env: TRAINDX_ALLOW_HOSTS (space-separated).")
+@click.option("--allow-origin", "allow_origins", multiple=True, envvar="TRAINDX_ALLOW_ORIGINS", callback=_origins,
+              metavar="SCHEME://HOST[:PORT]",
+              help="Another browser origin that may use the server besides its own pages (e.g. https://NAME "
+                   "behind a TLS proxy); repeatable. Env: TRAINDX_ALLOW_ORIGINS (space-separated).")
 @click.option("--max-data-mb", type=click.FloatRange(min=1, max=1e9), default=None, envvar="TRAINDX_MAX_DATA_MB",
               help="Size cap of the data directory: a warning from 80%, ingest refused (507; probes spool) at "
                    "the cap. Env: TRAINDX_MAX_DATA_MB.")
@@ -63,7 +90,7 @@ def _token(ctx: click.Context, param: click.Parameter, value: str | None) -> str
               help="Switch a rule off. Repeatable. Env: TRAINDX_DISABLE_RULES.")
 @_data_option
 def serve(host: str, port: int, allow_remote: bool, token: str | None, open_reads: bool, allow_hosts: tuple[str, ...],
-          max_data_mb: float | None, max_pending_ingest: int, log_level: str, rules: tuple[str, ...],
+          allow_origins: tuple[str, ...], max_data_mb: float | None, max_pending_ingest: int, log_level: str, rules: tuple[str, ...],
           rule_params: tuple[str, ...], disabled: tuple[str, ...], data_dir: Path) -> None:
     """Serve ingest, the REST API (/v1), MCP over Streamable HTTP (/mcp) and health (/health)."""
     import uvicorn
@@ -81,7 +108,7 @@ def serve(host: str, port: int, allow_remote: bool, token: str | None, open_read
     except (ValueError, ImportError) as e:
         raise click.BadParameter(str(e), param_hint="rules") from None
     settings = Settings(host=host, port=port, data_dir=data_dir, token=token, open_reads=open_reads,
-                        allowed_hosts=allow_hosts, max_pending_ingest=max_pending_ingest, engine=engine,
+                        allowed_hosts=allow_hosts, allowed_origins=allow_origins, max_pending_ingest=max_pending_ingest, engine=engine,
                         max_data_bytes=int(max_data_mb * 1e6) if max_data_mb is not None else None)
     app = create_app(settings)
     services = app.state.services
@@ -89,9 +116,46 @@ def serve(host: str, port: int, allow_remote: bool, token: str | None, open_read
     click.echo(f"traindx serving on http://{host}:{port} (MCP at /mcp), data in {data_dir}; store check: "
                f"{services.store_status}; token {where}", err=True)
     if is_loopback(host):
-        click.echo(f"dashboard: http://127.0.0.1:{port}/?token={settings.token}", err=True)
+        click.echo(f"dashboard: {dashboard_link(f'http://127.0.0.1:{port}', settings.token)} "
+                   "(again later: traindx open)", err=True)
     _settle_heap()
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def dashboard_link(server: str, token: str) -> str:
+    from urllib.parse import quote
+
+    return f"{server.rstrip('/')}/?token={quote(token, safe='')}"
+
+
+@main.command("open")
+@click.option("--server", default=lambda: os.environ.get("TRAINDX_SERVER", "http://127.0.0.1:8765"),
+              show_default="$TRAINDX_SERVER or http://127.0.0.1:8765", help="The server's address.")
+@click.option("--print-only", is_flag=True, help="Print the link without opening a browser.")
+@_data_option
+def open_(server: str, print_only: bool, data_dir: Path) -> None:
+    """Open the dashboard in a browser with its token (the link `traindx serve` printed), and print the link.
+
+    The token comes from TRAINDX_TOKEN, else from the server's data directory (DATA/token)."""
+    import webbrowser
+
+    import httpx
+
+    from .security import read_token_file
+
+    token = os.environ.get("TRAINDX_TOKEN") or read_token_file(data_dir)
+    if not token:
+        raise click.ClickException(f"no token in {data_dir / 'token'} nor in TRAINDX_TOKEN: start the server with "
+                                   "`traindx serve` (it writes one on first start), or pass --data DATA, the "
+                                   "server's data directory")
+    try:
+        httpx.get(f"{server.rstrip('/')}/health", timeout=3).raise_for_status()
+    except httpx.HTTPError as e:
+        click.echo(f"warning: {server} does not answer ({type(e).__name__}); is `traindx serve` running?", err=True)
+    link = dashboard_link(server, token)
+    click.echo(link)
+    if not print_only:
+        webbrowser.open(link)
 
 
 def _settle_heap() -> None:

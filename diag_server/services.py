@@ -23,7 +23,8 @@ class Settings:
     # (0600) on first start; see diag_server/security.py and docs/security.md.
     token: str | None = None
     open_reads: bool = False  # GET routes without the token: only when asked for explicitly
-    allowed_hosts: tuple[str, ...] = ()  # extra Host names (DNS rebinding check); '*' switches it off
+    allowed_hosts: tuple[str, ...] = ()  # extra NAME or NAME:PORT Hosts (DNS rebinding check); '*' switches it off
+    allowed_origins: tuple[str, ...] = ()  # extra browser Origins (scheme://host[:port]) beside the server's own
     # Size cap of the data directory in bytes (None: no cap). A warning from 80% of it; ingest is
     # refused with 507 at the cap, so probes spool instead of filling the disk.
     max_data_bytes: int | None = None
