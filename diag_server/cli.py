@@ -1,4 +1,4 @@
-"""The ``traindx`` command: serve, mcp, import, demo, schemas, and reading commands for people."""
+"""The ``traindx`` command: serve, open, mcp, import, demo, schemas, and reading commands for people."""
 
 from __future__ import annotations
 
