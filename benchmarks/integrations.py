@@ -66,7 +66,7 @@ def observe_cost(calls: int) -> float:
 def metrics_scrape(runs: int, repeats: int) -> tuple[float, float]:
     from fastapi.testclient import TestClient
 
-    from diag_server.app import create_app
+    from diag_server.api import create_app
     from diag_server.ingest import ingest
     from diag_server.services import Services, Settings
     from schemas.events import IngestBatch

@@ -30,7 +30,7 @@ def _token(ctx: click.Context, param: click.Parameter, value: str | None) -> str
 
 
 def _hosts(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
-    from .security import parse_allowed_host
+    from .api.security import parse_allowed_host
 
     for entry in value:
         if entry.strip() != "*":
@@ -42,7 +42,7 @@ def _hosts(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
 
 
 def _origins(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
-    from .security import parse_origin
+    from .api.security import parse_origin
 
     try:
         return tuple(parse_origin(v) for v in value)
@@ -95,9 +95,9 @@ def serve(host: str, port: int, allow_remote: bool, token: str | None, open_read
     """Serve ingest, the REST API (/v1), MCP over Streamable HTTP (/mcp) and health (/health)."""
     import uvicorn
 
-    from .app import create_app
+    from .api import create_app
     from .rule_config import engine_settings
-    from .security import is_loopback
+    from .api.security import is_loopback
     from .services import Settings
 
     if not is_loopback(host) and not allow_remote:
@@ -141,7 +141,7 @@ def open_(server: str, print_only: bool, data_dir: Path) -> None:
 
     import httpx
 
-    from .security import read_token_file
+    from .api.security import read_token_file
 
     token = os.environ.get("TRAINDX_TOKEN") or read_token_file(data_dir)
     if not token:
@@ -175,7 +175,7 @@ def mcp(data_dir: Path) -> None:
     """Serve the MCP tools over stdio, reading the same data directory as `traindx serve`."""
     from . import __version__
     from .services import Services, Settings
-    from .tools import build_mcp
+    from .api.mcp import build_mcp
 
     services = Services(Settings(data_dir=data_dir))
     try:
@@ -282,7 +282,7 @@ def delete(run: str, force: bool, server: str | None, data_dir: Path) -> None:
     if server:
         import httpx
 
-        from .security import read_token_file
+        from .api.security import read_token_file
 
         token = os.environ.get("TRAINDX_TOKEN") or read_token_file(data_dir) or ""
         r = httpx.delete(f"{server.rstrip('/')}/v1/runs/{run}", params={"force": str(force).lower()},

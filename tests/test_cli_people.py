@@ -14,7 +14,7 @@ from lxml import etree
 from tests.conftest import PEOPLE_RUN, PEOPLE_TOKEN, ServerProcess
 from diag_server.cli import main
 from diag_server.cli_people import table
-from diag_server.xml import xsd_schema
+from diag_server.api.xml import xsd_schema
 
 RUN = PEOPLE_RUN
 TOKEN = PEOPLE_TOKEN

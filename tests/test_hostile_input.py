@@ -42,10 +42,10 @@ from hypothesis import strategies as st
 from mcp import Client
 
 from diag_server import __version__
-from diag_server.app import create_app
+from diag_server.api import create_app
 from diag_server.cli import main
 from diag_server.services import Settings
-from diag_server.tools import build_mcp
+from diag_server.api.mcp import build_mcp
 
 TOKEN = "hostile-input-test-token-0123456789"
 # Cases run, answers of 500 or more, and refusals that changed the store: the figures the last test prints.
@@ -539,7 +539,7 @@ ARG_BAD = {
     "string": ["x" * MB, "../../../etc/passwd", "\x00", "' OR '1'='1' --", "\u202e", 123, [], {}, None],
     "boolean": ["maybe", 2, [], {}, None],
 }
-# A tool error the server meant: its argument validation, or an ApiError's code (tools.py); anything else
+# A tool error the server meant: its argument validation, or an ApiError's code (api/mcp/server.py); anything else
 # (an OverflowError's text, say) is a crash, the MCP form of a 500.
 MEANT = re.compile(r"^(Error executing tool \w+: )?(\d+ validation errors? for |[a-z][a-z_]*: )")
 

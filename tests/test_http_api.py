@@ -15,7 +15,7 @@ from lxml import etree
 
 from tests.conftest import PEOPLE_RUN, PEOPLE_TOKEN, ServerProcess
 from diag_server.downsample import min_max, min_max_query
-from diag_server.xml import xsd_schema
+from diag_server.api.xml import xsd_schema
 
 RUN = PEOPLE_RUN
 AUTH = {"authorization": f"Bearer {PEOPLE_TOKEN}"}
@@ -146,18 +146,11 @@ def test_every_error_has_one_shape_in_the_requested_format(srv: ServerProcess) -
 
 
 def test_openapi_describes_every_route_format_error_and_the_ingest_body(srv: ServerProcess, tmp_path: Path) -> None:
-    from diag_server.dashboard import build_dashboard_router
-    from diag_server.http import build_router
-    from diag_server.metrics import build_router as build_metrics_router
-    from diag_server.services import Services, Settings
+    from diag_server.api import dashboard, metrics
+    from diag_server.api.http import ROUTERS
 
     doc = get(srv, "/openapi.json").json()
-    services = Services(Settings(data_dir=tmp_path))
-    try:
-        routes = [*build_router(services).routes, *build_dashboard_router(services).routes,
-                  *build_metrics_router(services).routes]
-    finally:
-        services.close()
+    routes = [route for router in (*ROUTERS, dashboard.router, metrics.router) for route in router.routes]
     declared = {(m.lower(), r.path.replace(":path", "")) for r in routes if r.include_in_schema for m in r.methods}
     assert len(declared) >= 20
     described = {(m, p) for p, item in doc["paths"].items() for m in item}
@@ -319,7 +312,7 @@ def test_a_person_is_audited_as_a_person(srv: ServerProcess) -> None:
 def test_the_stat_field_parameter_lists_exactly_the_stored_statistics() -> None:
     from typing import get_args
 
-    from diag_server.http import StatName
+    from diag_server.api.deps import StatName
     from diag_server.store import STAT_COLUMNS
 
     assert get_args(StatName) == STAT_COLUMNS

@@ -8,7 +8,7 @@ import pytest
 from mcp import Client
 
 from diag_server.services import Services, Settings
-from diag_server.tools import build_mcp
+from diag_server.api.mcp import build_mcp
 
 
 @pytest.fixture

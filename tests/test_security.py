@@ -123,7 +123,7 @@ def test_only_this_servers_host_and_origin_get_in_on_every_route(srv) -> None:  
             cases += 2
     assert cases > 3000
     # The SDK's own check on /mcp holds the same list (a second line, behind the middleware).
-    from diag_server.security import Authorities, mcp_transport_security
+    from diag_server.api.security import Authorities, mcp_transport_security
 
     sdk = mcp_transport_security(Authorities("127.0.0.1", srv.port))
     assert f"127.0.0.1:{srv.port}" in sdk.allowed_hosts and not any(h.endswith(":*") for h in sdk.allowed_hosts)

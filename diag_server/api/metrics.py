@@ -17,9 +17,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
-from .queries import STALE_AFTER_S
-from .services import Services
-from .store import Store
+from ..queries import STALE_AFTER_S
+from ..store import Store
 
 # Runs exported, most recently seen first: a store with thousands of old runs would otherwise make every
 # scrape huge (each run is a label value, and Prometheus keeps one series per label value).
@@ -92,14 +91,11 @@ def build_registry(store: Store) -> CollectorRegistry:
     return registry
 
 
-def build_router(services: Services) -> APIRouter:
-    registry = build_registry(services.store)
-    r = APIRouter()
+router = APIRouter()
 
-    @r.get("/metrics", tags=["server"], response_class=Response,
-           summary="Per-run gauges for Prometheus: step, loss, open anomalies by kind and severity, ingest rate")
-    def metrics(request: Request) -> Response:
-        encode, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encode(registry), media_type=content_type)
 
-    return r
+@router.get("/metrics", tags=["server"], response_class=Response,
+            summary="Per-run gauges for Prometheus: step, loss, open anomalies by kind and severity, ingest rate")
+def metrics(request: Request) -> Response:
+    encode, content_type = choose_encoder(request.headers.get("accept", ""))
+    return Response(encode(request.app.state.metrics), media_type=content_type)

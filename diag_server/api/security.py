@@ -348,7 +348,7 @@ async def _refuse(scope, send, status: int, code: str, message: str) -> None:  #
     # The one error shape, in the format the client asked for (as every route answers; see render.negotiate).
     from starlette.requests import Request
 
-    from .errors import ApiError
+    from ..errors import ApiError
     from .render import error_response
 
     response = error_response(Request(scope), ApiError(status, code, message))

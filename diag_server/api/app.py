@@ -8,15 +8,16 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator
 
+import anyio
 from fastapi import FastAPI
 
-from . import __version__, openapi
-from .dashboard import build_dashboard_router
-from .http import build_router, install_error_handlers
+from .. import __version__
+from ..services import Services, Settings
+from . import dashboard, metrics, openapi
+from .http import ROUTERS
+from .mcp import build_mcp
+from .render import install_error_handlers
 from .security import Authorities, SecurityMiddleware, load_or_create_token, mcp_transport_security
-from .metrics import build_router as build_metrics_router
-from .services import Services, Settings
-from .tools import build_mcp
 
 
 def create_app(settings: Settings | None = None, services: Services | None = None) -> FastAPI:
@@ -38,10 +39,13 @@ def create_app(settings: Settings | None = None, services: Services | None = Non
     app = FastAPI(title="traindx", version=__version__, lifespan=lifespan,
                   description="Live diagnostics for PyTorch training runs: anomalies, root causes, fixes.")
     app.state.services = services
+    app.state.parse_limiter = anyio.CapacityLimiter(1)  # ingest parses one batch at a time (http/ingest.py)
+    app.state.metrics = metrics.build_registry(services.store)
     install_error_handlers(app)
-    app.include_router(build_router(services))
-    app.include_router(build_metrics_router(services))  # GET /metrics for Prometheus
-    app.include_router(build_dashboard_router(services))
+    for router in ROUTERS:
+        app.include_router(router)
+    app.include_router(metrics.router)  # GET /metrics for Prometheus
+    app.include_router(dashboard.router)
     openapi.install(app)
     app.router.routes.extend(mcp_app.routes)  # the /mcp route, beside the REST routes
     # Outermost: Host/Origin and the token are checked before any route, /mcp included.

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from fastapi import Request
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import ApiError
+from ..errors import ApiError
 
 
 def _json(model: BaseModel) -> bytes:
@@ -144,3 +148,28 @@ class NegotiatedRoute(APIRoute):
             return await handler(request)
 
         return negotiated
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error, whatever raised it, answered in the one error shape and in the client's format."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> Response:
+        return error_response(request, err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> Response:
+        detail = [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors()[:20]]
+        return error_response(request, ApiError(422, "invalid_request", "the request's parameters are invalid", detail))
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, err: Exception) -> Response:
+        logging.getLogger("traindx.http").exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(request, ApiError(500, "internal_error", f"the server failed on this request "
+                                                f"({type(err).__name__}); it keeps serving, and the log has the trace"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
+        message = f"no route {request.method} {request.url.path}" if err.status_code in (404, 405) else str(err.detail)
+        return error_response(request, ApiError(err.status_code, code, message[:500], headers=dict(err.headers or {})))
