@@ -68,7 +68,7 @@ def metrics_scrape(runs: int, repeats: int) -> tuple[float, float]:
 
     from diag_server.api import create_app
     from diag_server.ingest import ingest
-    from diag_server.services import Services, Settings
+    from diag_server.pipeline.services import Services, Settings
     from schemas.events import IngestBatch
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -98,7 +98,7 @@ def serve(host: str, port: int, allow_remote: bool, token: str | None, open_read
     from .api import create_app
     from .rule_config import engine_settings
     from .api.security import is_loopback
-    from .services import Settings
+    from .pipeline.services import Settings
 
     if not is_loopback(host) and not allow_remote:
         raise click.UsageError(f"--host {host} would expose the server beyond this machine; pass --allow-remote "
@@ -174,7 +174,7 @@ def _settle_heap() -> None:
 def mcp(data_dir: Path) -> None:
     """Serve the MCP tools over stdio, reading the same data directory as `traindx serve`."""
     from . import __version__
-    from .services import Services, Settings
+    from .pipeline.services import Services, Settings
     from .api.mcp import build_mcp
 
     services = Services(Settings(data_dir=data_dir))
@@ -189,9 +189,9 @@ def mcp(data_dir: Path) -> None:
 @_data_option
 def import_(files: tuple[Path, ...], data_dir: Path) -> None:
     """Load event files (written with server=False, or a probe's spool) into the store. Idempotent."""
-    from .importer import import_file
+    from .pipeline.importer import import_file
     from .rule_config import engine_settings
-    from .services import Services, Settings
+    from .pipeline.services import Services, Settings
 
     try:
         engine = engine_settings()  # TRAINDX_RULES / TRAINDX_RULE_PARAMS / TRAINDX_DISABLE_RULES, as for serve
@@ -226,7 +226,7 @@ def export(run: str, jsonl: Path | None, tensorboard_dir: Path | None, data_dir:
 
 def _export_jsonl(run: str, jsonl: Path, data_dir: Path) -> None:
     from .errors import ApiError
-    from .retention import export_run
+    from .pipeline.retention import export_run
     from .store import Store
 
     store = Store(data_dir)
@@ -248,7 +248,7 @@ def _export_jsonl(run: str, jsonl: Path, data_dir: Path) -> None:
 
 def _export_tensorboard(run: str, tensorboard_dir: Path, data_dir: Path) -> None:
     from .errors import ApiError
-    from .tensorboard import export_run, open_store_readonly
+    from .read.tensorboard import export_run, open_store_readonly
 
     try:
         conn = open_store_readonly(data_dir)
@@ -291,7 +291,7 @@ def delete(run: str, force: bool, server: str | None, data_dir: Path) -> None:
             raise click.ClickException(f"{server} answered {r.status_code}: {r.text[:500]}")
         click.echo(f"{run} deleted", err=True)
         return
-    from .retention import delete_run
+    from .pipeline.retention import delete_run
     from .store import Store
 
     store = Store(data_dir)
@@ -390,7 +390,7 @@ def compress(checkpoint: Path, recipe_path: Path, out: Path, trust_checkpoint: b
     """Apply a recipe to a checkpoint: bitmask + kept values (int8 where chosen); print sizes and latency."""
     import json
 
-    from .compress import CompressError, compress as run_compress
+    from .compression.offline import CompressError, compress as run_compress
 
     try:
         report = run_compress(checkpoint, recipe_path, out, trust=trust_checkpoint)

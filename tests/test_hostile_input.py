@@ -44,7 +44,7 @@ from mcp import Client
 from diag_server import __version__
 from diag_server.api import create_app
 from diag_server.cli import main
-from diag_server.services import Settings
+from diag_server.pipeline.services import Settings
 from diag_server.api.mcp import build_mcp
 
 TOKEN = "hostile-input-test-token-0123456789"

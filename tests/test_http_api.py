@@ -14,7 +14,7 @@ import pytest
 from lxml import etree
 
 from tests.conftest import PEOPLE_RUN, PEOPLE_TOKEN, ServerProcess
-from diag_server.downsample import min_max, min_max_query
+from diag_server.read.downsample import min_max, min_max_query
 from diag_server.api.xml import xsd_schema
 
 RUN = PEOPLE_RUN

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from mcp import Client
 
-from diag_server.services import Services, Settings
+from diag_server.pipeline.services import Services, Settings
 from diag_server.api.mcp import build_mcp
 
 

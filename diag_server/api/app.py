@@ -12,7 +12,7 @@ import anyio
 from fastapi import FastAPI
 
 from .. import __version__
-from ..services import Services, Settings
+from ..pipeline.services import Services, Settings
 from . import dashboard, metrics, openapi
 from .http import ROUTERS
 from .mcp import build_mcp

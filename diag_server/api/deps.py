@@ -10,8 +10,8 @@ from schemas.events import MAX_STEP
 from schemas.records import Error
 
 from ..errors import ApiError
-from ..queries import MAX_PAGE
-from ..services import Services
+from ..read.queries import MAX_PAGE
+from ..pipeline.services import Services
 from .render import NegotiatedRoute
 from .security import authorized
 

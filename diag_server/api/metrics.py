@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
-from ..queries import STALE_AFTER_S
+from ..read.queries import STALE_AFTER_S
 from ..store import Store
 
 # Runs exported, most recently seen first: a store with thousands of old runs would otherwise make every

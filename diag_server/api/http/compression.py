@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from schemas.events import INT64_MAX, MAX_STEP
 from schemas.records import CompressionRecipe, Fix
 
-from ... import compression
+from ...compression import recipe as compression
 from ..deps import WRITER, Svc, actor, router as _router
 from ..render import respond
 

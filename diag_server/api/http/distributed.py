@@ -11,7 +11,8 @@ from fastapi.responses import Response
 from schemas.events import MAX_WORLD_SIZE
 from schemas.records import Capture, CaptureList, Timeline
 
-from ... import captures, timeline
+from ...pipeline import captures
+from ...read import timeline
 from ..deps import WRITER, MaxStep, MinStep, Svc, actor, router as _router
 from ..render import offers, respond
 

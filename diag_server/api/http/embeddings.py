@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from schemas.events import MAX_EMBEDDING_ROWS
 from schemas.records import EmbeddingTables
 
-from ... import queries
+from ...read import queries
 from ..deps import Svc, router as _router
 from ..render import respond
 

@@ -10,7 +10,8 @@ from fastapi.responses import Response
 from schemas.enums import AnomalyKind, FixStatus, Severity
 from schemas.records import AuditPage, Fix, FixList, FixPage
 
-from ... import fixes, queries
+from ... import fixes
+from ...read import queries
 from ..deps import WRITER, Limit, MaxStep, MinStep, Offset, Svc, actor, router as _router
 from ..render import respond
 

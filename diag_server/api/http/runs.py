@@ -9,9 +9,9 @@ from fastapi.responses import Response
 
 from schemas.records import RunHistory, RunPage, RunSummary
 
-from ... import queries, views
-from ...retention import delete_run
-from ...stream import run_updates
+from ...read import queries, views
+from ...pipeline.retention import delete_run
+from ...read.stream import run_updates
 from ..deps import WRITER, Limit, MaxStep, MinStep, Offset, Svc, router as _router
 from ..render import offers, respond
 

@@ -11,7 +11,7 @@ from schemas.enums import Collection
 from schemas.events import MAX_WORLD_SIZE
 from schemas.records import Heatmap, Series, SeriesSet
 
-from ... import queries, views
+from ...read import queries, views
 from ..deps import MaxPoints, MaxStep, MinStep, StatField, Svc, router as _router
 from ..render import respond
 

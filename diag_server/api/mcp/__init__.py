@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 
-from ...services import Services
+from ...pipeline.services import Services
 from . import anomalies, compression, context, distributed, fixes, runs, series
 from .server import INSTRUCTIONS, TraindxMCP
 

@@ -10,7 +10,7 @@ from pydantic import Field
 from schemas.events import INT64_MAX, MAX_STEP
 from schemas.records import CompressionRecipe, Fix
 
-from ... import compression
+from ...compression import recipe as compression
 from .server import READ, REQUEST, RunArg, actor, call, services
 
 

@@ -10,7 +10,8 @@ from pydantic import Field
 from schemas.events import MAX_STEP
 from schemas.records import Capture, Timeline
 
-from ... import captures, timeline
+from ...pipeline import captures
+from ...read import timeline
 from .server import READ, REQUEST, RunArg, actor, call, services
 
 

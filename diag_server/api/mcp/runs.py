@@ -6,7 +6,7 @@ from mcp.server.mcpserver import Context
 
 from schemas.records import RunList, RunSummary
 
-from ... import queries
+from ...read import queries
 from .server import READ, RunArg, call, services
 
 

@@ -10,7 +10,7 @@ from pydantic import Field
 from schemas.events import MAX_EMBEDDING_ROWS, MAX_WORLD_SIZE
 from schemas.records import EmbeddingTables, Series
 
-from ... import queries
+from ...read import queries
 from .server import READ, RunArg, call, services
 
 

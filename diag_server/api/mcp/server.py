@@ -11,7 +11,7 @@ from mcp_types import ToolAnnotations
 from pydantic import Field
 
 from ...errors import ApiError
-from ...services import Services
+from ...pipeline.services import Services
 
 T = TypeVar("T")
 

@@ -13,10 +13,10 @@ from typing import Any
 
 from schemas.records import RankInfo, Timeline, TimelineSpan
 
-from .errors import ApiError
+from ..errors import ApiError
 from .queries import filters, require_run
-from .rules.base import median
-from .store import Store
+from ..rules.base import median
+from ..store import Store
 
 MAX_SPANS = 200_000
 LANES = {"step": 0, "phase": 1, "comm": 2, "user": 3}

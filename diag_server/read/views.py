@@ -14,9 +14,9 @@ import orjson
 from schemas.records import Heatmap, HistoryEntry, RunHistory, Series, SeriesPoint, SeriesSet
 
 from .downsample import min_max_query
-from .errors import ApiError
+from ..errors import ApiError
 from .queries import check_page, next_offset, require_run, stats_table
-from .store import STAT_COLUMNS, Store
+from ..store import STAT_COLUMNS, Store
 
 MAX_SERIES = 64  # series in one SeriesSet: a chart with more lines than this is unreadable anyway
 HistoryType = Literal["anomaly", "resolved", "fix", "verdict"]

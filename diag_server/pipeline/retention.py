@@ -18,9 +18,9 @@ from typing import IO, Any, Iterator
 
 import orjson
 
-from .errors import ApiError
-from .queries import STALE_AFTER_S, require_run
-from .store import Store
+from ..errors import ApiError
+from ..read.queries import STALE_AFTER_S, require_run
+from ..store import Store
 
 log = logging.getLogger("traindx.server")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import ApiError
-from .ingest import MAX_BODY_BYTES, ingest, parse_batch
+from ..errors import ApiError
+from ..ingest import MAX_BODY_BYTES, ingest, parse_batch
 from .services import Services
 
 

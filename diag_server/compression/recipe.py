@@ -30,10 +30,11 @@ from schemas.enums import FixAction
 from schemas.events import LayerProfiles
 from schemas.records import CompressionRecipe, Fix, LayerRecipe
 
-from . import compression_summary, fixes
-from .errors import ApiError
-from .queries import get_fix, require_run
-from .store import Store
+from . import summary as compression_summary
+from .. import fixes
+from ..errors import ApiError
+from ..read.queries import get_fix, require_run
+from ..store import Store
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 # A cast is free enough when it costs at most this fraction of the run's recent loss (0.5%: well inside

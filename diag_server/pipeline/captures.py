@@ -14,10 +14,10 @@ import orjson
 from schemas.events import CaptureCommand, CaptureResult
 from schemas.records import Capture, CaptureList, CaptureRank
 
-from .errors import ApiError
-from .queries import STALE_AFTER_S, require_run
+from ..errors import ApiError
+from ..read.queries import STALE_AFTER_S, require_run
 from . import ranks
-from .store import Store
+from ..store import Store
 
 MAX_CAPTURE_STEPS = 100
 

@@ -14,9 +14,9 @@ import math
 
 from schemas.records import CompressionRecipe, LayerRecipe
 
-from .errors import ApiError
-from .queries import require_run, stats_table
-from .store import Store
+from ..errors import ApiError
+from ..read.queries import require_run, stats_table
+from ..store import Store
 
 # Gradient samples averaged for each layer's Fisher estimate.
 FISHER_SAMPLES = 20

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import logging
 
-from .engine import Engine, EngineSettings
+from ..engine import Engine, EngineSettings
 from .retention import SizeGuard
-from .store import Store
+from ..store import Store
 
 log = logging.getLogger("traindx.server")
 

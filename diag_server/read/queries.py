@@ -13,8 +13,8 @@ from schemas.events import MAX_EMBEDDING_ROWS, EmbeddingSummary
 from schemas.records import (Anomaly, AnomalyPage, AuditEntry, AuditPage, AuditTrail, EmbeddingTable, EmbeddingTables,
                              Fix, FixList, FixPage, Run, RunList, RunMessage, RunPage, RunSummary, Series, SeriesPoint)
 
-from .errors import ApiError
-from .store import STAT_COLUMNS, Store
+from ..errors import ApiError
+from ..store import STAT_COLUMNS, Store
 
 # A run that has sent nothing (not even a heartbeat) for this long is 'stale': its job is gone or stuck.
 STALE_AFTER_S = 30.0
