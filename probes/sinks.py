@@ -46,14 +46,11 @@ def _retry_after(value: str | None) -> float | None:
 
 
 def default_token() -> str | None:
-    """TRAINDX_TOKEN, else the token file the server wrote in its data directory (TRAINDX_DATA or .traindx)."""
-    token = os.environ.get("TRAINDX_TOKEN")
-    if token:
-        return token.strip()
-    try:
-        return (Path(os.environ.get("TRAINDX_DATA", ".traindx")) / "token").read_text().strip() or None
-    except (OSError, UnicodeDecodeError):
-        return None
+    """TRAINDX_TOKEN, else the token file the server wrote in its data directory (TRAINDX_DATA or .traindx):
+    ``schemas.auth.find_token``, the rule the CLI and the Python client follow too."""
+    from schemas.auth import find_token  # here, not at import: ``import probes`` loads no pydantic
+
+    return find_token()
 
 
 class Sink(Protocol):
