@@ -18,7 +18,7 @@ from pydantic import Field
 
 from schemas.enums import AnomalyKind, AnomalyStatus, Severity
 from schemas.events import MAX_EMBEDDING_ROWS
-from schemas.records import (AnomalyPage, CompressionRecipe, Diagnosis, EmbeddingTables, Fix, FixList, RunList, RunSummary,
+from schemas.records import (AnomalyPage, AuditPage, CompressionRecipe, Diagnosis, EmbeddingTables, Fix, FixList, RunList, RunSummary,
                              Series)
 
 from . import compression, diagnosis, fixes, queries
@@ -119,9 +119,23 @@ def build_mcp(services: Services, version: str) -> MCPServer:
     @tool(_READ)
     async def get_fix_status(run: RunArg, fix_id: str) -> Fix:
         """Where a fix stands: proposed, pending, applied, rejected, failed, expired, effective, ineffective
-        or reverted, with the reason and the job's before/after values. If ineffective and the reason says
-        the loss got worse, call revert_fix."""
+        or reverted, with the reason and the job's before/after values. Once judged, get_audit(run, fix_id) has
+        the verdict's detail: call revert_fix only when it says revert_suggested (the loss got worse); an
+        ineffective fix that did no harm stays, since reverting restores the state the anomaly arose in."""
         return await _call(fixes.status, store, run, fix_id)
+
+    @tool(_READ)
+    async def get_audit(
+        run: RunArg,
+        fix_id: Annotated[str | None, Field(description="Only this fix's entries, e.g. 'f-5'.")] = None,
+        offset: Annotated[int, Field(ge=0, le=2**31)] = 0,
+        limit: Annotated[int, Field(ge=1, le=queries.MAX_PAGE, description="Page size.")] = 50,
+    ) -> AuditPage:
+        """The run's audit trail, oldest first: who asked for what (actor), what the job answered (before/after
+        values), and each verdict with its detail: loss_before, loss_after and revert_suggested (true when the
+        fix left the loss worse than before it: the one case where reverting it is known to help). Page with
+        offset/next_offset."""
+        return await _call(queries.audit_page, store, run, fix_id=fix_id, offset=offset, limit=limit)
 
     @tool(ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True,
           open_world_hint=False))
@@ -218,8 +232,8 @@ def build_mcp(services: Services, version: str) -> MCPServer:
         return (f"Training run {run!r} is being watched by traindx. 1) Call get_anomalies(run={run!r}, "
                 "status='open') and read the most severe. 2) Call diagnose to find the root cause. 3) Call "
                 "propose_fix for the root cause's anomaly and apply_fix with the first live proposal the job allows. "
-                "4) Poll get_fix_status until it is effective or ineffective; if ineffective, revert_fix and try "
-                "the next proposal. Report what you found, what you changed (before -> after) and the verdict.")
+                "4) Poll get_fix_status until it is effective or ineffective; if get_audit's verdict entry for the fix "
+                "says revert_suggested, revert_fix; if ineffective, try the next proposal. Report what you found, what you changed (before -> after) and the verdict.")
 
     from .distributed_api import register_tools
     register_tools(tool, services)
