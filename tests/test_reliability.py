@@ -128,7 +128,8 @@ def test_spool_of_a_dead_job_is_replayed_by_the_next_probe(busy, tmp_path: Path)
 @pytest.mark.parametrize("mode", ["refuse", "hang", "slow", "garbage", "error", "busy", "reset"])
 def test_training_is_unaffected_by_a_misbehaving_server(tmp_path: Path, mode: str) -> None:
     """The loop finishes (a probe that waited on the network would block forever on 'hang'), the probe
-    never raises, its queue and spool stay within their limits, and what it had is kept in the spool."""
+    never raises, its queue and spool stay within their limits, and what it had is kept in the spool
+    (or, from a server that is only slow, delivered)."""
     with BadServer(mode, delay=5.0) as bad:
         url = f"http://127.0.0.1:{closed_port()}" if mode == "refuse" else bad.url
         model, opt = _model()
@@ -140,8 +141,10 @@ def test_training_is_unaffected_by_a_misbehaving_server(tmp_path: Path, mode: st
         assert probe.sender.queued <= probe.sender.max_queue
         probe.close(timeout=1)
         spools = list((tmp_path / "spool").glob("*.spool"))
-        assert spools and all(p.stat().st_size <= 20_000 for p in spools)
-        assert probe.sender.dropped > 0 or mode == "busy" and bad.requests <= 1
+        assert all(p.stat().st_size <= 20_000 for p in spools)
+        if mode != "slow":  # answers 5 s late are waited on: what the probe had may all be delivered by now
+            assert spools
+            assert probe.sender.dropped > 0 or mode == "busy" and bad.requests <= 1
         if mode == "busy":
             # Retry-After: 3600 means one request, then silence: the probe honours the back-pressure.
             assert bad.requests == 1
