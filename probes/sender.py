@@ -414,8 +414,11 @@ class Sender:
                 _try_lock(self._spool_fh)  # held while we live: our spool is no orphan
             size = self._spool_fh.tell()
             if size + len(line) > self.max_spool_bytes:
-                self.dropped += len(batch["events"])
-                return None
+                line, kept = self._fit(batch, self.max_spool_bytes - size)
+                self.dropped += len(batch["events"]) - kept
+                if not kept:
+                    return None
+                batch = {**batch, "events": batch["events"][:kept]}
             # One write of a whole line, flushed: a crash can tear only the last line, which replay skips.
             self._spool_fh.write(line)
             self._spool_fh.flush()
@@ -429,6 +432,22 @@ class Sender:
             if not self._abandoned:
                 log.warning("traindx: cannot write spool %s: %s", self.spool_path, e)
             return None
+
+    def _fit(self, batch: dict, room: int) -> tuple[bytes, int]:
+        """The line of ``batch``'s first events that fits in ``room`` bytes, and how many it keeps: a spool
+        near its limit keeps what fits, not nothing. The batch in flight is kept whole or not at all while
+        the sender lives (its offset in the spool is how a late delivery of it is skipped on replay)."""
+        events = batch["events"]
+        if batch is self._inflight_batch and not self._abandoned or room <= 0:
+            return b"", 0
+        lo, hi = 0, len(events) - 1  # the whole batch does not fit: find the most that does
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(dumps({**batch, "events": events[:mid]})) + 1 <= room:
+                lo = mid
+            else:
+                hi = mid - 1
+        return (dumps({**batch, "events": events[:lo]}) + b"\n", lo) if lo else (b"", 0)
 
     def _close_spool(self) -> None:
         with self._spool_lock:

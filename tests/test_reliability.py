@@ -150,6 +150,23 @@ def test_training_is_unaffected_by_a_misbehaving_server(tmp_path: Path, mode: st
             assert bad.requests == 1
 
 
+def test_a_spool_near_its_limit_keeps_what_fits(tmp_path: Path) -> None:
+    """A hanging server and a small spool: close() keeps the first events that fit, within the limit,
+    and counts only the rest as dropped (a batch larger than the room left is not thrown away whole)."""
+    with BadServer("hang", delay=5.0) as bad:
+        sender = Sender(HttpSink(bad.url, timeout=0.5), "tight", spool_dir=tmp_path, max_spool_bytes=20_000,
+                        flush_interval=3600)
+        total = 1_500  # about 60 KB of events: three times the spool
+        for i in range(total):
+            sender.put({"kind": "scalar", "step": i, "name": "loss", "value": float(i)})
+        sender.close(timeout=0.5)
+    [spool] = list(tmp_path.glob("tight.*.spool"))
+    assert spool.stat().st_size <= 20_000
+    kept = [e["step"] for line in spool.read_bytes().splitlines() for e in orjson.loads(line)["events"]]
+    assert kept == list(range(len(kept))) and kept, "the first events, in order"
+    assert len(kept) + sender.dropped >= total  # (and the sender's own status events, also dropped)
+
+
 def test_a_server_that_is_not_an_http_url_is_refused_at_attach() -> None:
     """A server given without its scheme (``localhost:8000``) would never be reached: attach says so,
     instead of spooling every batch of the run."""
