@@ -19,11 +19,16 @@ import torch
 
 import probes
 import probes.embeddings
+import probes.embeddings.action
+import probes.embeddings.collection
+import probes.embeddings.state
 import probes.stats
 from diag_server.fixes import embedding_scale_params
 from diag_server.rules import Observations
 from diag_server.rules.embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
 from probes.embeddings import EMA_ALPHA, NOISE_SNR, SKETCH_DIM, SLOW_ALPHA, Embeddings, TableState
+from probes.embeddings.maths import log_spread
+from probes.embeddings.report import ROW_KEYS, decode, pack
 from schemas import IngestBatch
 from schemas.enums import AnomalyKind, Severity
 
@@ -163,7 +168,7 @@ def test_with_other_ranks_a_row_with_a_gradient_is_updated_whether_or_not_this_r
     one here, and move. With other ranks, such a row counts as updated, its statistics those of its gradient;
     its energy per lookup comes from this rank's lookups alone (it has none). Stood in for by a second term
     of the loss on rows 4 and 5 (what the all-reduce adds); rows 6 and 7 get nothing: the only dead ones."""
-    monkeypatch.setattr(probes.embeddings, "_other_ranks", lambda: True)
+    monkeypatch.setattr(probes.embeddings.collection, "other_ranks", lambda: True)
     torch.manual_seed(0)
     model = Toy(rows=8, dim=3)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -185,7 +190,7 @@ def test_with_other_ranks_rows_no_lookup_here_measured_are_left_out_of_the_energ
     "1e28x harder than the median row": critical zombies on a healthy 2-rank recommender. The median and
     the zombie ranking read the rows looked up here; rows 20-39 stand in for the other ranks' (a term of
     the loss on them, as the all-reduce adds)."""
-    monkeypatch.setattr(probes.embeddings, "_other_ranks", lambda: True)
+    monkeypatch.setattr(probes.embeddings.collection, "other_ranks", lambda: True)
     torch.manual_seed(0)
     model = Toy(rows=40, dim=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -207,8 +212,8 @@ def test_the_rows_with_a_gradient_are_those_with_an_element_that_is_not_zero(pat
     t = TableState("t", torch.nn.Parameter(torch.zeros(6, 3)), [], other_ranks=True)
     grad = torch.zeros(6, 3)
     grad[1, 2], grad[2, 0], grad[3, 1], grad[5, 0] = float("nan"), 1e-40, -0.0, -2.0
-    assert t._rows_with_grad(grad).tolist() == [1, 2, 5]
-    assert t._rows_with_grad(grad.double()).tolist() == [1, 2, 5]  # another dtype: read as float32 by the kernel
+    assert t.rows_with_grad(grad).tolist() == [1, 2, 5]
+    assert t.rows_with_grad(grad.double()).tolist() == [1, 2, 5]  # another dtype: read as float32 by the kernel
 
 
 def test_velocity_is_the_ema_of_the_row_step(path: str) -> None:
@@ -599,7 +604,7 @@ def _run_two_tables(background: bool, steps: int = 45) -> tuple[list, list[torch
         Embeddings.background = old
     coll = next(c for c in probe.collections if isinstance(c, Embeddings))
     native = all(t.native for t in coll.tables)  # natively tracked tables report inline: no worker
-    assert (coll._worker is not None) == (background and not native)
+    assert (coll.worker is not None) == (background and not native)
     assert native == (probes.stats._fastats is not None)
     gen = torch.Generator().manual_seed(3)
     for step in range(steps):
@@ -684,9 +689,9 @@ def test_the_window_of_changed_rows_holds_each_row_once(path: str) -> None:
     probe, sink = attach(model, opt, interval=400)
     ids = torch.tensor([0, 1, 2, 2, 5])
     t = table_state(probe)
-    train(model, probe, 399, ids=ids, opt=opt, after_step=lambda _: t._win_n <= 4 or pytest.fail(f"{t._win_n}"))
+    train(model, probe, 399, ids=ids, opt=opt, after_step=lambda _: t.changed.n <= 4 or pytest.fail(f"{t.changed.n}"))
     train(model, probe, 2, ids=ids, opt=opt)  # step 400 reports
-    assert t._win_n <= 4 and t._inwin.sum() == t._win_n  # the report cleared the flags of what it read
+    assert t.changed.n <= 4 and t.changed.flags.sum() == t.changed.n  # the report cleared the flags of what it read
     probe.close()
     last = summaries(sink)[-1]
     assert last[0] == 400 and last[1]["embedding"]["window_touched_rows"] == 4
@@ -758,9 +763,9 @@ def test_the_kernel_builds_the_listed_rows_as_the_python_decoder_does(monkeypatc
         + [c for col in rarest for c in col] + [4.0, 0.1, 2.0] + [5.0] + [nan] + [8.0, 30.0, 1.5, nan, 2.5, 4.0]
     plan = {"window": 3, "nonfinite": 0, "zombies": 2, "rarest": 1, "dead": 1, "conflicted": 1}
     t = SimpleNamespace(rows=20, dim=2, sparse=False, padding=torch.empty(0), tied=(), outside=False)
-    native = probes.embeddings._decode("w", t, raw, plan, 7)
+    native = decode("w", t, raw, plan, 7)
     monkeypatch.setattr(probes.stats, "_fastats", None)
-    python = probes.embeddings._decode("w", t, raw, plan, 7)
+    python = decode("w", t, raw, plan, 7)
     assert native == python
     assert native["embedding"]["conflicted"] == [{"row": 8, "touches": 30, "noise": 1.5, "run_noise": None,
                                                   "run_score": 2.5, "reports": 4}]
@@ -772,9 +777,9 @@ def test_the_kernel_builds_the_listed_rows_as_the_python_decoder_does(monkeypatc
     assert native["embedding"]["dead_ids"] == [5] and native["embedding"]["noise_spread"] == 0.4
     assert native["embedding"]["score_median"] == 0.1 and native["embedding"]["score_spread"] == 0.6
     with pytest.raises(ValueError, match="six columns"):
-        kernel.row_dicts(raw, len(raw) - 5, 1, probes.embeddings._ROW_KEYS)
+        kernel.row_dicts(raw, len(raw) - 5, 1, ROW_KEYS)
     with pytest.raises(TypeError):
-        kernel.row_dicts(raw, 0, 1, list(probes.embeddings._ROW_KEYS))
+        kernel.row_dicts(raw, 0, 1, list(ROW_KEYS))
 
 
 def test_noise_spread_is_the_standard_deviation_of_the_log_energy_that_outliers_do_not_move() -> None:
@@ -788,7 +793,7 @@ def test_noise_spread_is_the_standard_deviation_of_the_log_energy_that_outliers_
 
     def spread(x: torch.Tensor, eligible: torch.Tensor = every) -> float:
         median = torch.where(eligible, x, torch.full_like(x, float("nan"))).nanmedian()
-        return float(probes.embeddings._log_spread(x, eligible, median))
+        return float(log_spread(x, eligible, median))
 
     assert spread(occ) == pytest.approx(0.5, abs=0.03)
     zombies = occ.clone()
@@ -833,10 +838,10 @@ def test_the_native_report_lists_what_the_torch_report_lists(rows: int, dim: int
         run(5)
         twin = copy.deepcopy(t)
         twin.native = False  # the torch operations, on a copy of the same statistics and lists
-        want, plan_t = twin.report(0)
-        got, plan_n = t.report(0)
-        a = probes.embeddings._decode("w", twin, want.tolist(), plan_t, 0)["embedding"]
-        b = probes.embeddings._decode("w", t, got.tolist(), plan_n, 0)["embedding"]
+        want, plan_t = pack(twin)
+        got, plan_n = pack(t)
+        a = decode("w", twin, want.tolist(), plan_t, 0)["embedding"]
+        b = decode("w", t, got.tolist(), plan_n, 0)["embedding"]
         assert plan_t == plan_n and b["window_touched_rows"] > rows // 3
         for key in ("zombies", "rarest", "conflicted"):
             assert [r["row"] for r in a[key]] == [r["row"] for r in b[key]]
@@ -852,8 +857,8 @@ def test_the_native_report_lists_what_the_torch_report_lists(rows: int, dim: int
             assert (a[key] is None) == (b[key] is None) == (dim < 4)
             assert a[key] is None or a[key] == pytest.approx(b[key])
         assert len(b["zombies"]) >= 5 and b["nonfinite_ids"] and 4 in b["dead_ids"] and 7 not in b["dead_ids"]
-        assert b["conflicted"] and torch.allclose(twin._run, t._run, rtol=1e-5, atol=1e-6)  # the run's record
-        assert t._inwin.sum() == 0 and t._win_n == 0  # the window starts again
+        assert b["conflicted"] and torch.allclose(twin.run_record, t.run_record, rtol=1e-5, atol=1e-6)  # the run's record
+        assert t.changed.flags.sum() == 0 and t.changed.n == 0  # the window starts again
     probe.close()
 
 
@@ -886,19 +891,19 @@ def test_copies_reuse_one_buffer_and_survive_a_fold_mid_step(torch_fold: None) -
     ids = torch.arange(5)
     gather(ids)
     t.update(0, with_delta=True)
-    buf = t._buf
+    buf = t.buf
     assert t.pending[-1][3].data_ptr() == buf[2].data_ptr()  # copied into the buffer, not a fresh tensor
     t.flush()
     gather(ids)
     t.update(1, with_delta=True)
-    assert t._buf is buf  # the fold handed it back
+    assert t.buf is buf  # the fold handed it back
     gather(torch.arange(20).repeat(50))  # 1,000 lookups: more than the buffer holds (5 x FLUSH_STEPS rows)
     t.update(2, with_delta=True)
     assert t.pending[-1][1].untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
     gather(ids)
     t.flush()  # a reader folds the queue between the optimizer's pre and post hooks
     t._reserve(5)
-    t._buf.fill_(float("nan"))  # the next queue overwrites the buffer the taken step was copied into
+    t.buf.fill_(float("nan"))  # the next queue overwrites the buffer the taken step was copied into
     t.update(3, with_delta=True)
     assert torch.equal(t.pending[-1][1], emb.weight.grad[ids]) and torch.isfinite(t.pending[-1][2]).all()
     assert t.touches[:5].tolist() == [4.0] * 5
@@ -931,7 +936,7 @@ def test_a_background_report_is_sent_within_steps_not_an_interval(background: No
         opt.step()
         if step > 10:  # give the worker time for the report of step 10: a slow machine is still in time
             coll = next(c for c in probe.collections if isinstance(c, Embeddings))
-            coll._worker.wait()
+            coll.worker.wait()
         probe.step(loss=loss)
         if step == 12:
             assert probe.sender.flush(10)
@@ -946,7 +951,7 @@ def test_the_worker_runs_only_where_a_core_is_free(monkeypatch: pytest.MonkeyPat
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
         monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
         probe, _ = attach(model, None)
-        assert (next(c for c in probe.collections if isinstance(c, Embeddings))._worker is not None) == worker
+        assert (next(c for c in probe.collections if isinstance(c, Embeddings)).worker is not None) == worker
         probe.close()
 
 
@@ -963,24 +968,27 @@ def _train_on_ids(model: torch.nn.Module, opt: torch.optim.Optimizer, probe: pro
         assert each is None or each()
 
 
-def test_a_failing_background_fold_degrades_and_never_raises(background: None) -> None:
+def test_a_failing_background_fold_degrades_and_never_raises(background: None, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _two_tables()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     probe, sink = attach(model, opt, interval=5)
     coll = next(c for c in probe.collections if isinstance(c, Embeddings))
-    assert coll._worker is not None
+    assert coll.worker is not None
+    fold_steps = probes.embeddings.state.fold_steps
 
-    def broken(*_: object, **__: object) -> None:
-        raise RuntimeError("fold broke")
+    def broken(table: TableState, *args: object, **kwargs: object) -> None:  # the first table's folds fail
+        if table is coll.tables[0]:
+            raise RuntimeError("fold broke")
+        fold_steps(table, *args, **kwargs)
 
-    coll.tables[0]._fold = broken
+    monkeypatch.setattr(probes.embeddings.state, "fold_steps", broken)
     _train_on_ids(model, opt, probe, 12)  # never raises
     probe.close()
     texts = [e["text"] for b in sink.batches for e in b["events"] if e["kind"] == "message"]
     # Each report became an error message, and the probe logged the error where it degrades.
     assert any(x.startswith("traindx: the embeddings report of step 5 was not made") and "fold broke" in x for x in texts)
     assert any(x.startswith("probe error in embeddings worker") and "fold broke" in x for x in texts)
-    assert coll._worker._thread is None or not coll._worker._thread.is_alive()
+    assert coll.worker.thread is None or not coll.worker.thread.is_alive()
 
 
 def test_the_worker_queue_is_bounded(background: None) -> None:
@@ -999,7 +1007,7 @@ def test_the_worker_queue_is_bounded(background: None) -> None:
     threading.Timer(0.5, gate.set).start()  # the worker stalls for half a second
 
     def slow(self: TableState, pending: list, buf: torch.Tensor | None = None, entries: dict | None = None) -> None:
-        inline = not coll._worker.on_thread()
+        inline = not coll.worker.on_thread()
         if not inline:
             gate.wait(timeout=5.0)
         seen.append(inline)
@@ -1007,7 +1015,7 @@ def test_the_worker_queue_is_bounded(background: None) -> None:
 
     TableState.fold = slow
     try:
-        _train_on_ids(model, opt, probe, 6, each=lambda: len(coll._worker._jobs) <= emb.MAX_JOBS)
+        _train_on_ids(model, opt, probe, 6, each=lambda: len(coll.worker.jobs) <= emb.MAX_JOBS)
     finally:
         TableState.fold = fold
         gate.set()
@@ -1076,8 +1084,8 @@ def test_rows_whose_data_pulled_hard_stay_listed_as_conflicted_once_it_no_longer
     then = {r["row"]: r["run_score"] for r in during["conflicted"][:5]}
     assert all(r["run_score"] >= then[r["row"]] for r in last["conflicted"][:5])  # the peak holds
     t = table_state(probe)
-    mean = t._run[:5, 2] / t._run[:5, 1]
-    assert (mean < t._run[:5, 3] - 0.3).all()  # where a mean over the run would have faded to
+    mean = t.run_record[:5, 2] / t.run_record[:5, 1]
+    assert (mean < t.run_record[:5, 3] - 0.3).all()  # where a mean over the run would have faded to
     by_row = sorted(last["conflicted"][:5], key=lambda r: r["row"])  # rows 0-4, as the record's
     assert torch.equal(t.conflict_score(torch.arange(5)), torch.tensor([r["run_score"] for r in by_row]))
     assert torch.allclose(t.run_noise(torch.arange(5)).double(),
@@ -1505,7 +1513,7 @@ def test_a_refresh_that_fails_keeps_the_factors_and_never_reaches_the_loop(monke
     def broken(*_, **__):
         raise RuntimeError("statistics unavailable")
 
-    monkeypatch.setattr(probes.embeddings, "row_factors", broken)
+    monkeypatch.setattr(probes.embeddings.action, "row_factors", broken)
     w0 = model.table.weight.detach().clone()
     train(model, probe, 20, ids=ids, zombies={2}, opt=opt, seed=41)  # four refreshes fail inside opt.step()
     assert not torch.equal(model.table.weight.detach(), w0)  # training went on
@@ -1812,7 +1820,7 @@ def test_queued_steps_fold_to_the_step_by_step_statistics(sparse: bool, dim: int
     rows = 30
     emb = torch.nn.Embedding(rows, dim, padding_idx=3, sparse=sparse)
     t = TableState("w", emb.weight, [emb])
-    ref = torch.zeros_like(t._state)
+    ref = torch.zeros_like(t.row_state)
     gen = torch.Generator().manual_seed(1)
     for step in range(37):
         ids = torch.randint(0, 12 if step % 3 else rows, (20,), generator=gen)  # rows 0-11 touched most steps
@@ -1841,7 +1849,7 @@ def test_queued_steps_fold_to_the_step_by_step_statistics(sparse: bool, dim: int
         step_by_step(ref, t.k, t.proj, idx, g, count, before[idx] if with_delta else None, emb.weight.detach()[idx])
         if step in (9, 36):  # two folds: 10 queued steps, then 27
             t.flush()
-            assert torch.allclose(t._state, ref, rtol=1e-4, atol=1e-6), (t._state - ref).abs().max()
+            assert torch.allclose(t.row_state, ref, rtol=1e-4, atol=1e-6), (t.row_state - ref).abs().max()
     state = t.state
     assert not t.pending and int(state[:, 0].max()) > 20  # some rows were touched on most of the 37 steps
     assert t.counts.tolist() == [int((state[:, 0] > 0).sum()), int((state[:, 7] > 0).sum()),
@@ -1897,7 +1905,7 @@ def test_a_table_whose_statistics_would_not_fit_is_left_out_and_the_run_says_why
     assert probes.embeddings.state_bytes_of(400, 8) == 400 * (4 * 24 + 25)
     assert probes.embeddings.free_bytes(torch.device("cpu")) > 0  # the host's, from /proc/meminfo
     # 400 rows need 48,400 bytes: past a quarter of 100,000 free; 20 and 30 rows are not
-    monkeypatch.setattr(probes.embeddings, "free_bytes", lambda device: 100_000)
+    monkeypatch.setattr(probes.embeddings.collection, "free_bytes", lambda device: 100_000)
     real = TableState.__init__
 
     def failing(self, name, *args, **kwargs) -> None:
