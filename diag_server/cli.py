@@ -305,6 +305,17 @@ def delete(run: str, force: bool, server: str | None, data_dir: Path) -> None:
 
 
 @main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--run", required=True, help="The run to diagnose (a file may hold several).")
+def report(files: tuple[Path, ...], run: str) -> None:
+    """Diagnose a run from its event files or spools, without a server (what probe.report() prints
+    when the job has none): the same rules, over a throwaway store."""
+    from .local import diagnose_files
+
+    click.echo(diagnose_files(files, run))
+
+
+@main.command()
 @click.option("--steps", type=int, default=1500, show_default=True, help="Training steps.")
 @click.option("--keep", is_flag=True, help="Keep the server running at the end so the data can be browsed.")
 def demo(steps: int, keep: bool) -> None:
