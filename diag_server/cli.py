@@ -356,37 +356,12 @@ def rules_(rules: tuple[str, ...], rule_params: tuple[str, ...], disabled: tuple
 @_data_option
 def replay(session: Path, against: str, run_job: bool, timeout: float, data_dir: Path) -> None:
     """Re-run a recorded MCP session and report every response that differs in shape or meaning."""
-    import asyncio
+    import subprocess
 
-    from agent_examples.scripted_agent import connect
-    from agent_examples.sessions import SessionError, load, replay as run_replay, start_job
-
-    try:
-        header, calls = load(session)
-    except SessionError as e:
-        raise click.ClickException(str(e)) from None
-    job = None
-    if run_job:
-        if against == "stdio" or not header.get("job"):
-            raise click.ClickException("--run-job needs a URL target and a session whose header names a job")
-        job = start_job(header["job"], against.rsplit("/mcp", 1)[0])
-
-    async def go():  # noqa: ANN202
-        client = connect(stdio_data=str(data_dir), name="traindx-replay") if against == "stdio" else \
-            connect(against, name="traindx-replay")
-        async with client:
-            return await run_replay(client, calls, timeout=timeout)
-
-    report = asyncio.run(go())
-    if job is not None:
-        job.join()
-    for m in report.mismatches:
-        click.echo(f"call {m.seq} ({m.tool}) differs:")
-        for d in m.differences[:20]:
-            click.echo(f"  {d}")
-    click.echo(f"{report.calls} recorded calls replayed ({report.sent} requests sent): "
-               f"{len(report.mismatches)} differ")
-    sys.exit(0 if report.ok else 1)
+    # The examples are a consumer of the server, never part of it: they run in their own process.
+    cmd = [sys.executable, "-m", "agent_examples.replay", str(session), "--against", against,
+           "--timeout", repr(timeout), "--data", str(data_dir)] + (["--run-job"] if run_job else [])
+    sys.exit(subprocess.run(cmd).returncode)
 
 
 @main.command()
