@@ -7,7 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-import click
+try:
+    import click
+except ImportError:  # the probe's install (`pip install traindx`) has no server
+    sys.exit("traindx: this command is the server's; install it with: pip install 'traindx[server]'")
 
 
 def _data_option(f):  # noqa: ANN001

@@ -481,10 +481,12 @@ class Probe:
             cmd = [sys.executable, "-m", "diag_server.cli", "report", str(path), "--run", self.run]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            if "No module named" in done.stderr:
-                return (f"traindx: no report for run {self.run} without a server: the server's package is not "
-                        f"installed here (pip install 'traindx[server]'); its events are in {path}")
-            return f"traindx: no report for run {self.run}: {done.stderr.strip().splitlines()[-1:]}"
+            if "traindx[server]" in done.stderr or "No module named" in done.stderr:
+                kept = "" if batches is not None else f"; then `traindx report {path} --run {self.run}`"
+                return (f"traindx: no report for run {self.run} without a server: the rules are the server's, "
+                        f"not installed here (pip install 'traindx[server]'{kept})")
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return f"traindx: no report for run {self.run}: {last}"
         return done.stdout.rstrip("\n")
 
     def set_interval(self, interval: int) -> None:
