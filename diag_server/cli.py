@@ -320,12 +320,20 @@ def report(files: tuple[Path, ...], run: str) -> None:
 
 @main.command()
 @click.option("--steps", type=int, default=1500, show_default=True, help="Training steps.")
-@click.option("--keep", is_flag=True, help="Keep the server running at the end so the data can be browsed.")
-def demo(steps: int, keep: bool) -> None:
+@click.option("--keep/--no-keep", default=None, help="Keep the server (and the dashboard) up at the end until "
+              "Ctrl-C. Default: when the output is a terminal.")
+def demo(steps: int, keep: bool | None) -> None:
     """A server, a training run that goes wrong, and an agent that finds and fixes it over MCP."""
-    from .demo import run_demo
+    import subprocess
 
-    sys.exit(run_demo(steps=steps, keep=keep))
+    # The demo is an example (agent_examples/demo.py), a consumer of the server: it runs in its own process.
+    cmd = [sys.executable, "-m", "agent_examples.demo", "--steps", str(steps)]
+    if keep is not None:
+        cmd.append("--keep" if keep else "--no-keep")
+    try:
+        sys.exit(subprocess.run(cmd).returncode)
+    except KeyboardInterrupt:  # the child got it too, and stops its server
+        sys.exit(130)
 
 
 @main.command("rules")
