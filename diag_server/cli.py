@@ -19,7 +19,17 @@ def _data_option(f):  # noqa: ANN001
                         help="Data directory (SQLite store). Env: TRAINDX_DATA.")(f)
 
 
-@click.group()
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> object:
+        from .store import SchemaError
+
+        try:
+            return super().invoke(ctx)
+        except SchemaError as e:  # a store written by a newer traindx: say so, no traceback
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=_Group)
 @click.version_option(package_name="traindx")
 def main() -> None:
     """traindx: look inside a running PyTorch training job, find what is wrong, fix it live."""
