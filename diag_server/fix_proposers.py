@@ -394,52 +394,6 @@ def unchanged_tensor(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
                    "Every layer learns from the start.")]
 
 
-def after_lr_rise(previous: Callable[[sqlite3.Connection, Anomaly], list[Candidate]]) -> Callable:
-    """When the learning rate was raised just before the trouble, rolling back to a snapshot from before the
-    rise, with the snapshot's settings (its learning rate), undoes both the damage and the cause in one step;
-    restoring the rate alone leaves the weights wherever the high rate threw them."""
-
-    def propose(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
-        rest = previous(conn, a)
-        prev, now, changed_at = _lr_history(conn, a.run, a.last_step)
-        if prev is None or now is None or now <= prev or changed_at is None:
-            return rest
-        roll = Candidate(FixAction.rollback, {"before_step": a.first_step, "lr": prev},
-                         f"The learning rate was raised from {prev:.3g} to {now:.3g} after step {changed_at} and the run "
-                         f"has been going wrong since step {a.first_step}. Roll back to the newest snapshot from before "
-                         f"that, and set the rate back to {prev:.3g}: the weights and optimizer state from before the "
-                         "damage, and the rate the run was healthy at.",
-                         "The loss is back at its pre-fault level from the next step; the steps since the snapshot are "
-                         "lost. If the job keeps no snapshot from before the rise it rejects this: apply the next "
-                         "proposal (set_lr) instead.", "medium")
-        return [roll, *rest]
-
-    return propose
-
-
-def nonfinite(previous: Callable[[sqlite3.Connection, Anomaly], list[Candidate]]) -> Callable:
-    """Put rollback first: once the weights hold NaN, only restoring a good state brings the run back."""
-
-    def propose(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
-        first = a.evidence.get("first_step")
-        first = int(first) if isinstance(first, (int, float)) else a.first_step
-        roll = Candidate(FixAction.rollback, {"before_step": first},
-                         f"NaN/Inf appeared at step {first} (first in {a.evidence.get('first_in', '?')} "
-                         f"'{a.evidence.get('first_tensor', '?')}'). Restore the newest good snapshot from before "
-                         "it (weights, buffers and optimizer state; the current learning rate is kept) and go on "
-                         "with the next batch, so the batch that broke the run is skipped.",
-                         "Loss and weights are finite again from the next step; the steps since the snapshot are "
-                         "lost (at most the job's snapshot period plus the time to react).", "medium")
-        rest = previous(conn, a)
-        prev, now, _ = _lr_history(conn, a.run, a.last_step)
-        if prev is not None and now is not None and now > prev:
-            return [rest[0] if rest and rest[0].action == FixAction.set_lr else _lr_fix(conn, a, None), roll,
-                    *[c for c in rest if c.action != FixAction.set_lr]]
-        return [roll, *rest]
-
-    return propose
-
-
 # -- advice for the kinds no live action fixes ---------------------------------------------------------
 def _advice_for(kind: AnomalyKind, text: Callable[[Anomaly, dict], str], why: str, effect: str) -> Callable:
     def propose(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
@@ -550,11 +504,6 @@ def install(proposers: dict[AnomalyKind, Callable[[sqlite3.Connection, Anomaly],
         AnomalyKind.abnormal_update_ratio: abnormal_update_ratio,
         AnomalyKind.unchanged_tensor: unchanged_tensor,
     })
-    if AnomalyKind.nonfinite in proposers:
-        proposers[AnomalyKind.nonfinite] = nonfinite(proposers[AnomalyKind.nonfinite])
-    for kind in (AnomalyKind.exploding_gradient, AnomalyKind.loss_divergence):
-        if kind in proposers:
-            proposers[kind] = after_lr_rise(proposers[kind])
     for kind, fn in _ADVICE.items():
         proposers.setdefault(kind, fn)
 
