@@ -46,7 +46,8 @@ def regression_model() -> torch.nn.Module:
 
 def lr_spike_job(*, run: str, steps: int = 1500, fault_step: int | None = 500, fault_lr: float = 0.1,
                  lr: float = 0.01, pace: float = 0.004, seed: int = 0, interval: int = 10,
-                 allow: tuple[str, ...] | list[str] | dict[str, dict] = DEMO_ALLOW, probe_kwargs: dict[str, Any] | None = None,
+                 allow: tuple[str, ...] | list[str] | dict[str, dict] = DEMO_ALLOW,
+                 probe_kwargs: dict[str, Any] | None = None,
                  attach: bool = True, stop: threading.Event | None = None) -> JobResult:
     """An MLP regression trained with SGD+momentum; at ``fault_step`` a scheduler bug sets the learning
     rate 10x too high, the loss jumps ~100x and the gradients start to explode. ``pace`` seconds of

@@ -169,8 +169,8 @@ class Engine:
                      (obs.last_step, now, obs.run, horizon))
 
     def _verify_fixes(self, conn: sqlite3.Connection, obs: Observations, now: float) -> None:
-        rows = conn.execute("SELECT f.id, f.action, f.applied_step, a.kind, a.status AS astatus, a.first_step AS afirst, "
-                            "a.resolved_step AS aresolved, a.evidence AS aevidence "
+        rows = conn.execute("SELECT f.id, f.action, f.applied_step, a.kind, a.status AS astatus, "
+                            "a.first_step AS afirst, a.resolved_step AS aresolved, a.evidence AS aevidence "
                             "FROM fixes f LEFT JOIN anomalies a ON a.id = f.anomaly_id "
                             # A fix with no anomaly (prune, sensitivity) has nothing to clear: no verdict.
                             "WHERE f.run=? AND f.status='applied' AND f.anomaly_id IS NOT NULL", (obs.run,)).fetchall()

@@ -57,7 +57,8 @@ def nonfinite_weights(conn: sqlite3.Connection, run: str, upto: int) -> tuple[in
     good = conn.execute("SELECT max(step) FROM stats WHERE run=? AND collection='weights' AND step<=? AND rank=0 AND "
                         "step NOT IN (SELECT step FROM stats WHERE run=? AND collection='weights' AND "
                         "(coalesce(nan_count, 0) + coalesce(inf_count, 0)) > 0)", (run, upto, run)).fetchone()[0]
-    row = conn.execute(bad + "AND step>? ORDER BY step, rowid LIMIT 1", (run, upto, good if good is not None else -1)).fetchone()
+    after = good if good is not None else -1
+    row = conn.execute(bad + "AND step>? ORDER BY step, rowid LIMIT 1", (run, upto, after)).fetchone()
     return (row[0], row[1]) if row else (latest, "?")
 
 

@@ -211,17 +211,15 @@ def test_unchanged_tensor_unfreezes_and_says_whether_it_was_frozen(store):
     assert "model.parameters()" in advice.params["instructions"] and "model[2]" in advice.params["instructions"]
 
 
-def test_vanishing_gradient_is_advice_under_adam(store):
-    _run(store, optimizer="Adam")
-    a = _anomaly(store, "vanishing_gradient", {"first_last_ratio": 1e-8, "rms_gradient": 1e-6, "first": "0.weight",
-                                               "last": "4.weight", "ratio_threshold": 1e-3}, tensors=["0.weight"])
-    proposals = _propose(store, a)
-    assert [f.action.value for f in proposals] == ["advice"]  # gradient scaling does nothing under Adam
-    _run(store, optimizer="SGD", allow=("grad_scale",))
-    b = _anomaly(store, "vanishing_gradient", {"first_last_ratio": 1e-4, "ratio_threshold": 1e-3},
-                 tensors=["0.weight"])
-    top = _propose(store, b)[0]
-    assert top.action.value == "grad_scale" and top.params == {"pattern": ["0.weight"], "factor": 10.0}
+def test_vanishing_gradient_is_advice_only_since_no_live_fix_helps(store):
+    """Measured: scaling the starved layers' gradients (47-100x) or raising the rate left 6-12-layer sigmoid
+    MLPs at chance, exactly where the run without a fix ended; so nothing is proposed live, and it says so."""
+    for optimizer in ("Adam", "SGD"):
+        _run(store, optimizer=optimizer, allow=("grad_scale", "set_lr", "lr_scale"))
+        a = _anomaly(store, "vanishing_gradient", {"first_last_ratio": 1e-4, "ratio_threshold": 1e-3,
+                                                   "first": "0.weight", "last": "4.weight"}, tensors=["0.weight"])
+        (only,) = _propose(store, a)
+        assert only.action.value == "advice" and "No live fix helps here" in only.rationale
 
 
 @pytest.mark.parametrize("kind,needle", [("dataloader_bottleneck", "num_workers"),

@@ -184,7 +184,8 @@ def store(tmp_path):
 def _run(store, *, allow, optimizer="Adam", last_step=400, interval=10):
     start = {"kind": "run_start", "allow": list(allow), "config": {"interval": interval},
              "optimizer": {"type": optimizer, "param_groups": [{"lr": 1e-3}]},
-             "modules": [{"name": "0", "type": "Linear"}, {"name": "1", "type": "ReLU"}, {"name": "2", "type": "Linear"}],
+             "modules": [{"name": "0", "type": "Linear"}, {"name": "1", "type": "ReLU"},
+                         {"name": "2", "type": "Linear"}],
              "params": [{"name": f"{m}.{p}", "shape": [4, 4]} for m in ("0", "2") for p in ("weight", "bias")]}
     store.write(lambda conn: conn.execute(
         "INSERT OR REPLACE INTO runs(run, created_at, last_seen, last_step, ended, start) VALUES (?,?,?,?,0,?)",
@@ -194,10 +195,10 @@ def _run(store, *, allow, optimizer="Adam", last_step=400, interval=10):
 def _anomaly(store, kind, evidence, first_step, last_step):
     def write(conn):
         cur = conn.execute(
-            "INSERT INTO anomalies(run, kind, severity, status, first_step, last_step, tensors, message, evidence, rule,"
-            " key, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (RUN, kind, "warning", "open", first_step, last_step, "[]", "m", orjson.dumps(evidence).decode(), kind, kind,
-             time.time(), time.time()))
+            "INSERT INTO anomalies(run, kind, severity, status, first_step, last_step, tensors, message, evidence, "
+            "rule, key, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (RUN, kind, "warning", "open", first_step, last_step, "[]", "m", orjson.dumps(evidence).decode(), kind,
+             kind, time.time(), time.time()))
         conn.execute("UPDATE anomalies SET id=? WHERE seq=?", (f"a-{cur.lastrowid}", cur.lastrowid))
         return f"a-{cur.lastrowid}"
     return store.write(write)
@@ -292,8 +293,8 @@ def test_a_fix_acknowledged_in_the_batch_that_holds_the_losses_before_it_has_its
     start = {"kind": "run_start", "step": 0, "time": 1.0, "config": {"interval": 10}, "allow": ["lr_scale"]}
     ingest(store, engine, _batch("b", 0, [start]))
     a = store.write(lambda conn: conn.execute(
-        "INSERT INTO anomalies(id, run, kind, severity, status, first_step, last_step, rule, key, created_at, updated_at)"
-        " VALUES ('a-1','b','oscillating_loss','warning','open',0,0,'x','x',0,0)"))
+        "INSERT INTO anomalies(id, run, kind, severity, status, first_step, last_step, rule, key, created_at, "
+        "updated_at) VALUES ('a-1','b','oscillating_loss','warning','open',0,0,'x','x',0,0)"))
     store.write(lambda conn: conn.execute(
         "INSERT INTO fixes(id, run, anomaly_id, action, params, live, rank, status, pending_op, created_at, updated_at)"
         " VALUES ('f-1','b','a-1','lr_scale','{}',1,1,'pending','apply',0,0)"))
