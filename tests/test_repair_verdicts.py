@@ -115,8 +115,11 @@ def test_nan_after_the_fix_is_not_a_recovery():
 
 
 # -- the stall rule -------------------------------------------------------------------------------------------
-def _obs(losses, ratios, interval=10):
-    return Observations(run="r", interval=interval, scalars={"loss": losses},
+def _obs(losses, ratios, interval=10, lrs=None):
+    scalars = {"loss": losses}
+    if lrs is not None:
+        scalars["lr/group0"] = lrs
+    return Observations(run="r", interval=interval, scalars=scalars,
                         stats={"updates": {s: [{"name": f"l{i}.weight", "update_ratio": r} for i in range(3)]
                                            for s, r in ratios}})
 
@@ -148,20 +151,37 @@ def test_a_run_stuck_with_collapsed_updates_after_a_fault_stalls_until_it_recove
     assert state["open"] is None
 
 
-@pytest.mark.parametrize("case", ["decay", "plateau_without_fault", "loud_but_moving"])
+@pytest.mark.parametrize("case", ["step_decay", "gradual_decline", "loud_but_moving"])
 def test_no_stall_on_healthy_shapes(case):
-    """A learning-rate decay collapses the updates at the run's best loss; a run that never learned has
-    nothing to lose; a loss that rises while updates stay healthy is another rule's business."""
-    if case == "decay":
-        losses, ratios = _stall_series(lambda s: 2.04 - 1e-4 * (s - 300), lambda s: 1e-6)
-    elif case == "plateau_without_fault":
-        losses = [(s, 2.77) for s in range(800)]
-        ratios = [(s, 2.5e-3 if s < 300 else 1e-6) for s in range(0, 800, 10)]
+    """A step decay of the rate collapses the updates, but it changes the rate; updates that shrink sample by
+    sample as a run converges are not a collapse; a loss that rises while updates stay healthy is another
+    rule's business (divergence, oscillation)."""
+    lrs = [(s, 1e-3) for s in range(0, 800, 10)]
+    if case == "step_decay":
+        losses, ratios = _stall_series(lambda s: 2.04 - 1e-4 * (s - 300), lambda s: 2.5e-5)
+        lrs = [(s, 1e-3 if s < 300 else 1e-5) for s in range(0, 800, 10)]
+    elif case == "gradual_decline":
+        losses, ratios = _stall_series(lambda s: 2.04 - 1e-4 * (s - 300), lambda s: 2.5e-3 * 0.93 ** ((s - 300) / 10))
     else:
         losses, ratios = _stall_series(lambda s: 2.7, lambda s: 2e-3)
     rule = TrainingStalled()
     state = rule.initial_state()
-    assert rule.observe(state, _obs(losses, ratios)) == []
+    assert rule.observe(state, _obs(losses, ratios, lrs=lrs)) == []
+
+
+def test_updates_that_collapse_with_the_rate_unchanged_are_a_stall_whatever_the_loss():
+    """Adam's second moments filled by one huge batch: the loss barely moves, but every step is ~100x
+    smaller than before with the same rate. A rollback brings the updates back and resolves it."""
+    losses, ratios = _stall_series(lambda s: 2.1, lambda s: 2.5e-5)
+    lrs = [(s, 1e-3) for s in range(0, 800, 10)]
+    rule = TrainingStalled()
+    state = rule.initial_state()
+    (f,) = rule.observe(state, _obs(losses, ratios, lrs=lrs))
+    assert f.evidence["mode"] == "updates" and f.evidence["fault_step"] == 291
+    assert "100x less, from one sample to the next, and not because the learning rate fell" in f.message
+    back = _obs([(s, 2.0) for s in range(800, 830)], [(s, 2.5e-3) for s in range(800, 830, 10)],
+                lrs=[(s, 1e-3) for s in range(800, 830, 10)])
+    assert rule.observe(state, back) == [] and state["open"] is None
 
 
 def test_stall_state_round_trips_through_json():

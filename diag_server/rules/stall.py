@@ -35,6 +35,11 @@ class TrainingStalled(Rule):
         "collapse": Param(0.1, "measurement here: the stalled transformer's update ratio fell 400x (5e-6 against "
                           "2.5e-3); a learning-rate decay over a healthy run lowers it, but with the loss at its best",
                           "median update ratio below this fraction of the run's own before the fault"),
+        "sudden": Param(0.03, "measurement here: a transformer whose Adam state took one batch's 3840x loss moved "
+                        "~100x less per step from one sample to the next, with the loss near its best; a step decay "
+                        "of the rate drops the updates with the rate, which this divides out",
+                        "whatever the loss, a median update ratio per unit of learning rate below this fraction of "
+                        "the run's own is a stall too: the optimizer's state took a spike"),
         "patience": Param(3, "measurement here: three samples of collapsed updates rule out one quiet batch",
                           "consecutive update samples the condition must hold"),
         "recover": Param(0.25, "hysteresis: half of `lost`, so a loss hovering at the line does not open and close "
@@ -44,16 +49,21 @@ class TrainingStalled(Rule):
 
     def initial_state(self) -> dict:
         return {"recent": [], "recent_steps": [], "first": None, "best": None, "best_step": None, "smooth": None,
-                "left": None, "healthy_ratios": [], "streak": 0, "streak_loss": None, "open": None}
+                "left": None, "healthy_ratios": [], "lr": None,
+                "streak": 0, "streak_loss": None, "open": None}
 
     def observe(self, state: dict, obs: Observations) -> list[Finding]:
         window = int(self.p.window)
-        events = sorted([(s, "loss", v) for s, v in obs.series("loss") if v is not None]
-                        + [(s, "updates", rows) for s, rows in obs.sampled("updates")], key=lambda e: (e[0], e[1]))
+        events = sorted([(s, "a-loss", v) for s, v in obs.series("loss") if v is not None]
+                        + [(s, "b-lr", v) for s, v in obs.series("lr/group0") if v is not None]
+                        + [(s, "c-updates", rows) for s, rows in obs.sampled("updates")], key=lambda e: (e[0], e[1]))
         out: list[Finding] = []
         for step, what, value in events:
-            if what == "loss":
+            if what == "a-loss":
                 self._loss(state, step, value, window)
+                continue
+            if what == "b-lr":
+                state["lr"] = value
                 continue
             ratios = [r["update_ratio"] for r in weight_matrices(obs, value) if r.get("update_ratio") is not None]
             finding = self._updates(state, step, median(ratios) if ratios else None)
@@ -106,36 +116,53 @@ class TrainingStalled(Rule):
     def _updates(self, state: dict, step: int, ratio: float | None) -> Finding | None:
         if ratio is None or state["smooth"] is None:
             return None
-        if self._near_best(state):
-            push(state["healthy_ratios"], ratio, 20)
-            state["streak"], state["streak_loss"] = 0, None
-            return self._still_open(state, step)
-        healthy = median(state["healthy_ratios"]) if state["healthy_ratios"] else None
+        history = state["healthy_ratios"]  # [ratio, rate, step] of the samples while the loss was near its best
+        healthy = median([h[0] for h in history]) if len(history) >= 3 else None
         lost = self._lost(state)
-        stalled = (lost is not None and lost >= self.p.lost and healthy is not None and healthy > 0
-                   and ratio < self.p.collapse * healthy)
+        # After a fault: most of the progress given back, and the updates a fraction of the run's own.
+        after_fault = (lost is not None and lost >= self.p.lost and healthy is not None and healthy > 0
+                       and ratio < self.p.collapse * healthy)
         # Flat: over the streak the running median has not made up a quarter of the way back to its best.
-        if stalled and state["streak_loss"] is not None:
+        if after_fault and state["streak_loss"] is not None:
             gap = state["streak_loss"] - state["best"]
-            stalled = state["smooth"] > state["streak_loss"] - 0.25 * gap
-        if not stalled:
+            after_fault = state["smooth"] > state["streak_loss"] - 0.25 * gap
+        # Or, whatever the loss: the updates fell far for what the rate is (the update ratio is proportional to
+        # the rate, for SGD and Adam alike: a schedule's decay moves both, a spike in the state only the first).
+        per_rate = [h[0] / h[1] for h in history if h[1]] if state["lr"] else []
+        sudden = (len(per_rate) >= 3 and len(per_rate) == len(history) and ratio > 0
+                  and ratio / state["lr"] < self.p.sudden * median(per_rate))
+        if not (after_fault or sudden):
+            if self._near_best(state):
+                push(history, [ratio, state["lr"], step], 20)
             state["streak"], state["streak_loss"] = 0, None
-            return self._still_open(state, step)
+            return self._still_open(state, step, ratio)
         if state["streak_loss"] is None:
             state["streak_loss"] = state["smooth"]
         state["streak"] += 1
         if state["streak"] < self.p.patience and state["open"] is None:
             return None
-        state["open"] = {"fault_step": state["left"] if state["left"] is not None else state["best_step"],
-                         "update_ratio": ratio, "healthy_update_ratio": healthy}
+        if state["open"] is None:
+            if after_fault:
+                fault = state["left"] if state["left"] is not None else state["best_step"]
+            else:  # after the last sample whose updates were of their usual size (the fall may take a few samples)
+                usual = median(per_rate)
+                fault = next((h[2] + 1 for h in reversed(history) if h[0] / h[1] >= 0.5 * usual), history[0][2])
+            state["open"] = {"fault_step": fault, "mode": "loss" if after_fault else "updates"}
+        state["open"].update(update_ratio=ratio, healthy_update_ratio=healthy)
         return self._finding(state, step)
 
-    def _still_open(self, state: dict, step: int) -> Finding | None:
-        """Once stalled, the anomaly holds until the loss has come back, whatever the updates do."""
-        if state["open"] is None:
+    def _still_open(self, state: dict, step: int, ratio: float | None = None) -> Finding | None:
+        """Once stalled, the anomaly holds until the loss has come back (a stall after a fault), or the updates
+        have (a stall of the updates alone)."""
+        held = state["open"]
+        if held is None:
             return None
-        lost = self._lost(state)
-        if lost is None or lost < self.p.recover or self._near_best(state):
+        if held.get("mode") == "updates":
+            back = ratio is not None and ratio >= self.p.collapse * held["healthy_update_ratio"]
+        else:
+            lost = self._lost(state)
+            back = lost is None or lost < self.p.recover or self._near_best(state)
+        if back:
             state["open"] = None
             return None
         return self._finding(state, step)
@@ -144,16 +171,23 @@ class TrainingStalled(Rule):
         held = state["open"]
         lost = self._lost(state) or 0.0
         fault, ratio, healthy = held["fault_step"], held["update_ratio"], held["healthy_update_ratio"]
+        moves = f"the weights move by a median {ratio:.2g} of their size per step against {healthy:.2g} before"
+        if held.get("mode") == "updates":
+            what = (f"{moves} ({healthy / ratio:.0f}x less, from one sample to the next, and not because the "
+                    "learning rate fell): the optimizer's state took a spike (Adam's second moments keep one for "
+                    f"~1000 steps), and the run learns at a fraction of its pace; the loss is {state['smooth']:.4g} "
+                    f"(median of {int(self.p.window)} steps)")
+        else:
+            what = (f"the loss (median of {int(self.p.window)} steps) is {state['smooth']:.4g}, against "
+                    f"{state['best']:.4g} before (step {state['best_step']}) and {state['first']:.4g} at the start: "
+                    f"{lost:.0%} of what the run had learned is gone, and {moves}")
         # Its first step is when the stall showed, after the fault: the fault itself is the cause others name.
         return Finding(
             AnomalyKind.training_stalled, Severity.warning, step,
-            message=(f"Training has stalled since the fault around step {fault}: the loss (median of "
-                     f"{int(self.p.window)} steps) is {state['smooth']:.4g}, against {state['best']:.4g} before "
-                     f"(step {state['best_step']}) and {state['first']:.4g} at the start: {lost:.0%} of what the "
-                     f"run had learned is gone, and the weights move by a median {ratio:.2g} of their size per "
-                     f"step against {healthy:.2g} before the fault. A fix of the cause alone does not bring it "
-                     "back (an adaptive optimizer's state filled by a spike, weights thrown off): roll back to "
-                     "before the fault."),
-            evidence={"fault_step": fault, "loss_median": state["smooth"], "best": state["best"],
-                      "best_step": state["best_step"], "initial": state["first"], "lost_fraction": lost,
-                      "update_ratio": ratio, "healthy_update_ratio": healthy, "collapse": self.p.collapse})
+            message=(f"Training has stalled since the fault around step {fault}: {what}. A fix of the cause alone "
+                     "does not bring it back (an adaptive optimizer's state filled by a spike, weights thrown "
+                     "off): roll back to before the fault."),
+            evidence={"fault_step": fault, "mode": held.get("mode", "loss"), "loss_median": state["smooth"],
+                      "best": state["best"], "best_step": state["best_step"], "initial": state["first"],
+                      "lost_fraction": lost, "update_ratio": ratio, "healthy_update_ratio": healthy,
+                      "collapse": self.p.collapse})
