@@ -32,8 +32,9 @@ ADAPTIVE = ("adam", "rmsprop", "adagrad", "adadelta", "adafactor", "lion", "lamb
 # default factor), as is a median update ratio above HIGH_UPDATE_RATIO or a learning rate raised this much.
 SPIKE_FACTOR = 10.0
 RAISED = 3.0
-# Rate changes: they can stop further damage, not undo it.
+# Rate changes and guards: they can stop further damage, not undo it.
 RATE_CHANGES = (FixAction.set_lr, FixAction.lr_scale)
+GUARDS = (FixAction.grad_clip, FixAction.skip_nonfinite, FixAction.grad_scale)
 
 
 def _interval(start: dict) -> int:
@@ -200,8 +201,10 @@ def repair_first(previous: Proposer) -> Proposer:
         else:
             out = rest if proposed else [roll, *rest]
         if hit:
+            # A rate change (and, unless it guards against spikes that go on, a clip) leaves the state as it is.
+            cannot = RATE_CHANGES if proposed else (*RATE_CHANGES, *GUARDS)
             for c in out:
-                if c.action in RATE_CHANGES:
+                if c.action in cannot:
                     c.repairs = False
                     c.rationale += (f" It cannot repair the run: {what}. It only keeps the fault from doing more "
                                     "damage; a rollback to before the fault undoes it.")

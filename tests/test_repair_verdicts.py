@@ -281,7 +281,7 @@ def test_after_a_spike_in_adams_state_the_rollback_comes_first_and_a_rate_change
     b = _anomaly(store, "abnormal_update_ratio", {"median_update_ratio": 0.25, "direction": "high", "high": 0.2},
                  300, 310)
     actions = [f.action.value for f in fixes.propose(store, RUN, b, "t").fixes]
-    assert actions.index("advice") < actions.index("set_lr")
+    assert actions[0] == "advice" and actions.index("set_lr") > 1 and actions.index("grad_clip") > 1
 
 
 def test_adams_updates_collapsing_with_the_rate_unchanged_is_a_spike_it_took(store):
