@@ -220,9 +220,7 @@ def training_stalled(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
     fault = fault_step(conn, a.run, a.first_step, a.evidence, _interval(_start(conn, a.run)))
     lr = _lr_before(conn, a.run, fault)
     most = _max_lr_since(conn, a.run, fault, a.last_step)
-    now = conn.execute("SELECT value FROM scalars WHERE run=? AND name='lr/group0' AND rank=0 AND value IS NOT NULL "
-                       "ORDER BY step DESC LIMIT 1", (a.run,)).fetchone()
-    raised = lr is not None and ((most is not None and most > 1.5 * lr) or (now is not None and now[0] > 1.5 * lr))
+    raised = lr is not None and most is not None and most > 1.5 * lr
     allowed = "rollback" in (_start(conn, a.run).get("allow") or [])
     loss, best = a.evidence.get("loss_median"), a.evidence.get("best")
     ratio, healthy = a.evidence.get("update_ratio"), a.evidence.get("healthy_update_ratio")

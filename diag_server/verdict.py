@@ -216,7 +216,8 @@ def judge(series: dict[str, Points], *, fault_step: int | None, applied_step: in
     judged = [o for o in objectives if o.recovered is not None]
     full = elapsed >= window
     for o in judged:
-        o.worse = (full and o.settled and o.now is not None and o.before is not None and not o.falling
+        # A mitigation has no fault that could still be unfolding: its symptom was there all along.
+        o.worse = (full and (o.settled or mitigation) and o.now is not None and o.before is not None and not o.falling
                    and o.now.value > o.before.value * (1 + worse_margin) + 1e-12)
     worse = [o for o in judged if o.worse]
     anomaly = _anomaly_text(kind, cleared_step, applied_step, still_open)

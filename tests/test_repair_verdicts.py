@@ -97,6 +97,21 @@ def test_a_fix_that_makes_a_settled_run_worse_is_flagged_for_revert():
     assert v.status == "ineffective" and v.revert_suggested and "revert it" in v.reason
 
 
+def test_a_mitigation_is_judged_on_not_costing_the_run():
+    """Damping zombie rows leaves their anomaly in place: effective when no objective got worse, with the
+    validation loss's gain named; flagged for revert when the loss got worse."""
+    loss = [(s, 1.0 - 0.5 * s / 300 if s < 300 else 0.5) for s in range(600)]
+    val = [(s, 0.9 if s <= 300 else 0.8) for s in range(0, 600, 25)]
+    kw = dict(fault_step=280, applied_step=300, now_step=520, still_open=True, kind="zombie_embedding",
+              mitigation=True)
+    v = _judge({"loss": loss, "val_loss": val}, **kw)
+    assert v.status == "effective" and "val_loss 0.8" in v.reason and "against 0.9 before the fix" in v.reason
+    assert "The zombie_embedding anomaly still holds." in v.reason
+    worse = [(s, 0.5 if s < 300 else 0.7) for s in range(600)]
+    v = _judge({"loss": worse}, **kw)
+    assert v.status == "ineffective" and v.revert_suggested
+
+
 def test_a_loss_still_coming_down_gets_more_time_and_then_a_verdict():
     def descent(s):
         return 3.0 - 2.0 * s / 300
