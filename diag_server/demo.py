@@ -34,12 +34,18 @@ def start_server(data_dir: str, port: int) -> subprocess.Popen:
     """`traindx serve` on loopback. Its token goes in this process's TRAINDX_TOKEN (made up when unset),
     which the server, the probes and the MCP clients started from here all read (docs/security.md)."""
     os.environ.setdefault("TRAINDX_TOKEN", secrets.token_urlsafe(32))
-    proc = subprocess.Popen([sys.executable, "-m", "diag_server.cli", "serve", "--port", str(port), "--data", data_dir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Its log goes to a file in the data directory, not a pipe: a pipe nobody reads fills up (64 KiB) and the
+    # server blocks on its next log line, as it did after ~20 runs of benchmarks/repair.py.
+    os.makedirs(data_dir, exist_ok=True)
+    log = os.path.join(data_dir, "server.log")
+    with open(log, "ab") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "diag_server.cli", "serve", "--port", str(port), "--data",
+                                 data_dir], stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("the server exited: " + proc.stderr.read().decode()[-2000:])
+            with open(log, "rb") as f:
+                raise RuntimeError("the server exited: " + f.read().decode(errors="replace")[-2000:])
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return proc
