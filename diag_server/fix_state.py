@@ -227,7 +227,7 @@ def training_stalled(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
     what = "the run has stalled"
     if isinstance(loss, (int, float)) and isinstance(best, (int, float)):
         what += f" at a loss of {loss:.4g} against {best:.4g} before the fault"
-    if isinstance(ratio, (int, float)) and isinstance(healthy, (int, float)):
+    if isinstance(ratio, (int, float)) and isinstance(healthy, (int, float)) and ratio < healthy:
         what += f", its updates {ratio:.2g} of the weights per step against {healthy:.2g} before"
     params: dict = {"before_step": fault}
     if raised:

@@ -82,9 +82,11 @@ def fault_step(conn: sqlite3.Connection, run: str, first_step: int, evidence: di
     interval (a rule sees a fault up to one sample after it began). The first warning is the earliest of the
     run's warnings opened up to 5 intervals before the anomaly: the fault's first symptom."""
     named = evidence.get("fault_step")
-    if isinstance(named, int) and not isinstance(named, bool):
-        return named
     lookback = 5 * interval
+    if isinstance(named, int) and not isinstance(named, bool):
+        # A rule that names the fault reads it off the loss, which moves a few steps after a rise of the rate.
+        rise = lr_rise(conn, run, named, lookback)
+        return min(named, rise[0]) if rise else named
     row = conn.execute("SELECT min(first_step) FROM anomalies WHERE run=? AND severity IN ('warning', 'critical') "
                        "AND first_step BETWEEN ? AND ?", (run, first_step - lookback, first_step)).fetchone()
     onset = min(row[0], first_step) if row and row[0] is not None else first_step

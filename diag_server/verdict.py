@@ -185,7 +185,9 @@ def objective(name: str, points: Points, *, fault_step: int | None, applied_step
     if o.now.nonfinite * 2 > o.now.n:
         o.recovered = False
         return o
-    sigma = _noise(stretch[-REFERENCE_POINTS:] if o.healthy else pre[-REFERENCE_POINTS:])
+    # The noise of a healthy process: the healthy stretch's, or (without one) the level now's: the swings of
+    # a fault before the fix (an oscillating loss swings by 20x its level) say nothing about it.
+    sigma = _noise(stretch[-REFERENCE_POINTS:] if o.healthy else tail)
     n = max(min(o.now.n - o.now.nonfinite, (o.healthy or o.before).n), 1)
     noise = NOISE_SIGMAS * 1.25 * sigma * math.sqrt(2.0 / n)  # the difference of two medians of n points
     if o.healthy is not None and o.start is not None:

@@ -81,6 +81,9 @@ def test_without_a_healthy_stretch_the_fix_must_bring_the_loss_down():
     assert v.status == "effective" and "against 6 before the fix" in v.reason
     v = _judge(flat, **kw)
     assert v.status == "ineffective" and "before the fix" in v.reason
+    # A fault that swung the loss wildly before the fix: its swings are not the noise the fix is held to.
+    swinging = [(s, (40.0 if s % 2 else 0.5) if s < 120 else 0.07) for s in range(600)]
+    assert _judge(swinging, **kw).status == "effective"
 
 
 def test_the_validation_loss_counts_too():
