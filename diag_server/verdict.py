@@ -9,7 +9,7 @@ What "recovered" means, per objective:
 
 - When the run had a healthy stretch before the fault (enough points, and the training loss had learned: its
   level then is clearly below where it started), the objective's level now (median of the last quarter of
-  the window) must be back near that level: above it by at most a quarter of it and a quarter of the
+  the window) must be back near that level: above it by at most a tenth of it and a quarter of the
   progress the run had made (so a cross-entropy at chance, 2.77 against 2.04, is far; 0.062 against 0.058
   is near), or by the noise of the two medians, whichever is larger. A validation loss is held to its own
   level before the fault.
@@ -28,11 +28,14 @@ from .rules.base import median
 Points = Sequence[tuple[int, "float | None"]]  # (step, value); None is a non-finite value
 
 # A level within this fraction of the healthy one, and within this fraction of the progress the run had
-# made before the fault, counts as back. 0.25: the repair benchmark's recovery criterion (a final loss
-# within 1.25x of the same job without the fault) on the relative side; on the progress side it keeps a
-# loss with little room between chance and healthy (cross-entropy over 16 tokens: 2.77 at chance, 2.04
-# healthy) from being called recovered at 2.5.
-RECOVERED_REL = 0.25
+# made before the fault, counts as back. 0.10 on the relative side, the engine's margin for "worse": the
+# healthy level is the run's before the fault, and a healthy run goes on learning, so a run 14% above it 400
+# steps later had fallen behind for good (repair benchmark, corrupt labels, seed 1: a clip alone, 0.086
+# against 0.076, ended 1.44x the job without the fault, where 1.25x is the line); rollbacks that recovered
+# sat 4-5% above it at their verdicts. 0.25 on the progress side keeps a loss with little room between
+# chance and healthy (cross-entropy over 16 tokens: 2.77 at chance, 2.04 healthy) from being called
+# recovered at 2.5.
+RECOVERED_REL = 0.10
 RECOVERED_PROGRESS = 0.25
 # Without a healthy stretch the fix must have brought the objective this far below where it was before the
 # fix and where the run started (a fix that leaves the loss where it was is not a fix). 0.9: measurement

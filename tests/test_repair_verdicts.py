@@ -120,7 +120,7 @@ def test_a_loss_still_coming_down_gets_more_time_and_then_a_verdict():
         return 3.0 - 2.0 * s / 300
     slow = [(s, descent(s) if s < 300 else (5.0 if s < 320 else 1.0 + 4.0 * 0.995 ** (s - 320))) for s in range(1200)]
     assert _judge(slow, now_step=520).status is None  # still falling at the end of the window
-    assert _judge(slow, now_step=820).status == "effective"
+    assert _judge(slow, now_step=900).status == "effective"
     stuck = [(s, descent(s) if s < 300 else (5.0 if s < 320 else 2.0 + 3.0 * 0.995 ** (s - 320))) for s in range(1400)]
     v = _judge(stuck, now_step=920)
     assert v.status == "ineffective" and "600 steps after the fix" in v.reason
