@@ -245,9 +245,11 @@ def judge(series: dict[str, Points], *, fault_step: int | None, applied_step: in
     if mitigation:
         if not full:
             return Verdict(None, objectives=objectives)
+        held = (f"The {kind} anomaly still holds, as expected: the data behind it is unchanged." if still_open
+                else anomaly)
         return Verdict("effective", f"effective: the fix damps a symptom whose cause stays, so it is judged on not "
                        f"costing the run; {elapsed} steps after it, {'; '.join(_against_before(o) for o in judged)}: "
-                       f"not worse. {anomaly}", objectives=objectives)
+                       f"not worse. {held}", objectives=objectives)
     recovered = all(o.recovered for o in judged)
     healthy = any(o.healthy for o in judged)
     if recovered and (full or (cleared_step is not None and elapsed >= window // 4)):

@@ -109,7 +109,7 @@ def test_a_mitigation_is_judged_on_not_costing_the_run():
               mitigation=True)
     v = _judge({"loss": loss, "val_loss": val}, **kw)
     assert v.status == "effective" and "val_loss 0.8" in v.reason and "against 0.9 before the fix" in v.reason
-    assert "The zombie_embedding anomaly still holds." in v.reason
+    assert "The zombie_embedding anomaly still holds, as expected" in v.reason
     worse = [(s, 0.5 if s < 300 else 0.7) for s in range(600)]
     v = _judge({"loss": worse}, **kw)
     assert v.status == "ineffective" and v.revert_suggested
