@@ -105,7 +105,7 @@ class Engine:
     # -- called from ingest, in the writer thread ------------------------------------------------------
     def process(self, conn: sqlite3.Connection, obs: Observations, now: float) -> list[str]:
         """Run every rule over ``obs``; return ids of anomalies opened by this batch."""
-        from .evidence import request_snapshot
+        from .pipeline.evidence import request_snapshot
 
         opened: list[str] = []
         seen: set[str] = set()

@@ -17,7 +17,7 @@ from schemas.enums import AnomalyKind, FixAction
 from schemas.records import Anomaly
 
 from .fixes import Candidate, _clip_fix, _lr_fix, _lr_history
-from .queries import get_anomaly
+from .read.queries import get_anomaly
 from .rules.base import median
 
 # The update/weight ratio to raise a too-small learning rate to. CS231n's rule of thumb puts a healthy

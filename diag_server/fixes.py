@@ -18,7 +18,7 @@ from schemas.events import FixAck
 from schemas.records import Anomaly, Fix, FixList
 
 from .errors import ApiError
-from .queries import STALE_AFTER_S, fix_from_row, get_anomaly, get_fix, require_run
+from .read.queries import STALE_AFTER_S, fix_from_row, get_anomaly, get_fix, require_run
 from .rules.base import median
 from .rules.embeddings import id_span
 from .rules.gradients import global_norm

@@ -13,8 +13,9 @@ from pydantic import ValidationError
 from schemas.events import (CaptureResult, Command, FixAck, IngestBatch, IngestReply, LayerProfiles, RunStart,
                             Scalars, Spans, TensorSnapshot, TensorStats)
 
-from . import captures, evidence, fixes, ranks
-from .compression import store_profiles
+from .pipeline import captures, evidence, ranks
+from . import fixes
+from .compression.recipe import store_profiles
 from .engine import Engine, loss_median
 from .errors import ApiError
 from .rules import Observations

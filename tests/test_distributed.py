@@ -346,7 +346,7 @@ def test_timeline_exports_a_valid_chrome_trace_whose_spans_line_up(jobs: ServerP
 def test_an_agent_reads_the_ranks_phases_over_mcp_and_people_get_xml(jobs: ServerProcess) -> None:
     from lxml import etree
 
-    from diag_server.xml import xsd_schema
+    from diag_server.api.xml import xsd_schema
     from agent_examples.scripted_agent import connect
 
     async def read() -> dict:

@@ -271,7 +271,7 @@ def test_a_fix_the_ranks_scheduled_is_waited_for_until_their_step(store):
 def test_a_refused_fix_asked_for_again_goes_out_again_as_a_new_attempt(store):
     """Before, the job's answer to the first request stayed on record and the command was never sent again:
     asked for again after a refusal, a fix only expired."""
-    from diag_server import ranks
+    from diag_server.pipeline import ranks
     from diag_server.ingest import _apply_ack
     from schemas.events import FixAck
 
