@@ -17,7 +17,7 @@ from schemas.enums import AnomalyStatus, FixStatus, Severity
 from .fixes import MITIGATIONS, fault_step
 from .rules import BUILTIN, Finding, Observations, Rule
 from .store import add_message
-from .verdict import REFERENCE_POINTS, START_POINTS, judge
+from .fixes.verdict import REFERENCE_POINTS, START_POINTS, judge
 
 _SEVERITY_ORDER = {Severity.info.value: 0, Severity.warning.value: 1, Severity.critical.value: 2}
 

@@ -18,7 +18,7 @@ from diag_server.ingest import ingest
 from diag_server.rules.base import Observations
 from diag_server.rules.stall import TrainingStalled
 from diag_server.store import Store
-from diag_server.verdict import judge
+from diag_server.fixes.verdict import judge
 from schemas.events import IngestBatch
 
 RUN = "r1"

@@ -9,16 +9,16 @@ fix loop's table; diag_server/fixes.py calls it once at import.
 from __future__ import annotations
 
 import sqlite3
-from typing import Any, Callable
+from typing import Callable
 
 import orjson
 
 from schemas.enums import AnomalyKind, FixAction
 from schemas.records import Anomaly
 
-from .fixes import Candidate, _clip_fix, _lr_fix, _lr_history
-from .read.queries import get_anomaly
-from .rules.base import median
+from .candidates import Candidate, _clip_fix, _lr_history
+from ..read.queries import get_anomaly
+from ..rules.base import median
 
 # The update/weight ratio to raise a too-small learning rate to. CS231n's rule of thumb puts a healthy
 # ratio "around 1e-3" for a trained net; early in training healthy runs move faster: the repair suite's

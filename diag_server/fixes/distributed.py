@@ -9,28 +9,23 @@ offered to look closer, with an expected effect that says it fixes nothing.
 from __future__ import annotations
 
 import sqlite3
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from schemas.enums import AnomalyKind, FixAction
 from schemas.records import Anomaly
 
-if TYPE_CHECKING:  # fixes imports this module to register its proposers
-    from .fixes import Candidate
+from .candidates import Candidate
 
 # The rules whose anomalies are proposed for here (other rules of the same kinds keep their own proposers).
 RULES = {"cross_rank_timing", "rank_dataloader_bottleneck", "rank_memory_growth", "mode_step_time_outlier"}
 CLOSER_INTERVAL = 5
 
 
-def _advice(text: str, rationale: str, effect: str) -> "Candidate":
-    from .fixes import Candidate
-
+def _advice(text: str, rationale: str, effect: str) -> Candidate:
     return Candidate(FixAction.advice, {"instructions": text}, rationale, effect, "low", live=False)
 
 
-def _closer_look(conn: sqlite3.Connection, a: Anomaly) -> list["Candidate"]:
-    from .fixes import Candidate
-
+def _closer_look(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
     row = conn.execute("SELECT start FROM runs WHERE run=?", (a.run,)).fetchone()
     import orjson
 
@@ -48,7 +43,7 @@ def _where(a: Anomaly) -> tuple[object, object]:
     return a.evidence.get("rank"), a.evidence.get("phase")
 
 
-def _straggler(conn: sqlite3.Connection, a: Anomaly) -> list["Candidate"]:
+def _straggler(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
     rank, phase = _where(a)
     host = conn.execute("SELECT host FROM ranks WHERE run=? AND rank=?", (a.run, rank)).fetchone()
     on = f"rank {rank}" + (f" (host {host[0]})" if host and host[0] else "")
@@ -77,7 +72,7 @@ def _straggler(conn: sqlite3.Connection, a: Anomaly) -> list["Candidate"]:
             *_closer_look(conn, a)]
 
 
-def _comm(conn: sqlite3.Connection, a: Anomaly) -> list["Candidate"]:
+def _comm(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
     text = ("Reduce or hide gradient communication, then restart: (1) larger buckets, "
             "DistributedDataParallel(model, bucket_cap_mb=100, gradient_as_bucket_view=True) (default 25 MB); "
             "(2) compress gradients with a DDP communication hook, passed through the probe so it stays timed: "
@@ -92,7 +87,7 @@ def _comm(conn: sqlite3.Connection, a: Anomaly) -> list["Candidate"]:
             *_closer_look(conn, a)]
 
 
-def _dataloader(conn: sqlite3.Connection, a: Anomaly) -> list["Candidate"]:
+def _dataloader(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
     rank = a.evidence.get("rank")
     share = a.evidence.get("share") or 0.0
     text = (f"On rank {rank}: DataLoader(dataset, num_workers=8, pin_memory=True, persistent_workers=True, "
@@ -102,7 +97,7 @@ def _dataloader(conn: sqlite3.Connection, a: Anomaly) -> list["Candidate"]:
                     "The waiting share falls after the restart; with DDP the other ranks stop waiting for this one.")]
 
 
-def _memory(conn: sqlite3.Connection, a: Anomaly) -> list["Candidate"]:
+def _memory(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
     rank = a.evidence.get("rank")
     text = (f"On rank {rank}: look for what survives a step: losses or outputs appended to a list without "
             ".item() or .detach(), a cache keyed by batch, metrics kept on the device; profile it with "
@@ -112,7 +107,7 @@ def _memory(conn: sqlite3.Connection, a: Anomaly) -> list["Candidate"]:
                     "Memory stays flat after the fix; left alone, the rank runs out of memory and the job stops.")]
 
 
-def _mode_outlier(conn: sqlite3.Connection, a: Anomaly) -> list["Candidate"]:
+def _mode_outlier(conn: sqlite3.Connection, a: Anomaly) -> list[Candidate]:
     mode = a.evidence.get("mode", "eval")
     text = (f"Find what the slow {mode} step did: wrap its stages in `with probe.span(\"...\"):` and read the "
             f"timeline, or request `traindx capture RUN --steps 3` during {mode}. Usual causes: a first call that "

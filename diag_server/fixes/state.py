@@ -19,10 +19,10 @@ from typing import Callable
 from schemas.enums import AnomalyKind, FixAction
 from schemas.records import Anomaly
 
-from .fix_proposers import HIGH_UPDATE_RATIO, _start, advice
-from .fixes import Candidate, fault_step, lr_rise
-from .rules.base import median
-from .rules.gradients import global_norm
+from .proposers import HIGH_UPDATE_RATIO, _start, advice
+from .candidates import Candidate, fault_step, lr_rise
+from ..rules.base import median
+from ..rules.gradients import global_norm
 
 Proposer = Callable[[sqlite3.Connection, Anomaly], list[Candidate]]
 

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .rules.base import median
+from ..rules.base import median
 
 Points = Sequence[tuple[int, "float | None"]]  # (step, value); None is a non-finite value
 
