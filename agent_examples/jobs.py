@@ -16,8 +16,12 @@ import torch
 
 import probes
 
-# What the demo job lets the server change. A job that allows nothing is read-only.
-DEMO_ALLOW = ("lr_scale", "set_lr", "grad_clip", "skip_nonfinite")
+# What the demo job lets the server change (a job that allows nothing is read-only): the rate, a clip, a
+# guard against NaN steps, and a rollback to a snapshot taken every 25 steps (two kept, plus the first and
+# the best: about 4x the model and its momentum in host memory), which is what undoes the damage a fault
+# did before anyone acted.
+DEMO_ALLOW: dict[str, dict] = {"lr_scale": {}, "set_lr": {}, "grad_clip": {}, "skip_nonfinite": {},
+                               "rollback": {"every": 25}}
 
 
 @dataclass
@@ -42,7 +46,8 @@ def regression_model() -> torch.nn.Module:
 
 def lr_spike_job(*, run: str, steps: int = 1500, fault_step: int | None = 500, fault_lr: float = 0.1,
                  lr: float = 0.01, pace: float = 0.004, seed: int = 0, interval: int = 10,
-                 allow: tuple[str, ...] | dict[str, dict] = DEMO_ALLOW, probe_kwargs: dict[str, Any] | None = None,
+                 allow: tuple[str, ...] | list[str] | dict[str, dict] = DEMO_ALLOW,
+                 probe_kwargs: dict[str, Any] | None = None,
                  attach: bool = True, stop: threading.Event | None = None) -> JobResult:
     """An MLP regression trained with SGD+momentum; at ``fault_step`` a scheduler bug sets the learning
     rate 10x too high, the loss jumps ~100x and the gradients start to explode. ``pace`` seconds of
@@ -205,6 +210,63 @@ def fault_job(fault: Fault | str, *, run: str, steps: int = 800, pace: float = 0
             if step >= steps - FINAL_WINDOW and (steps - 1 - step) % 10 == 0:
                 with torch.no_grad():
                     evals.append(torch.nn.functional.mse_loss(model(x_eval), y_eval).item())
+        result.final_loss = statistics.median(x if x == x else float("inf") for x in evals) if evals else None
+    return result
+
+
+# -- a transformer: Adam and its state -----------------------------------------------------------------
+class ReverseTransformer(torch.nn.Module):
+    """A 2-layer ``nn.TransformerEncoder`` that learns to reverse a sequence of tokens (one output per
+    position over the vocabulary)."""
+
+    def __init__(self, vocab: int = 16, d: int = 32, length: int = 12, activation: Any = "relu") -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Parameter(torch.randn(length, d) * 0.02)
+        layer = torch.nn.TransformerEncoderLayer(d, 4, dim_feedforward=64, dropout=0.0, batch_first=True,
+                                                 activation=activation)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens) + self.pos))
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self(tokens).reshape(-1, self.vocab), tokens.flip(1).reshape(-1))
+
+
+def transformer_job(*, run: str, steps: int = 1500, fault_step: int | None = 300, fault_factor: float = 100.0,
+                    lr: float = 1e-3, pace: float = 0.0, seed: int = 0, interval: int = 10, healthy: bool = False,
+                    allow: Any = None, probe_kwargs: dict[str, Any] | None = None, attach: bool = True,
+                    stop: threading.Event | None = None) -> JobResult:
+    """The transformer of issue 37: ``ReverseTransformer`` (vocabulary 16, sequences of 12) trained with Adam
+    at ``lr`` on random sequences; at ``fault_step`` a schedule bug multiplies the learning rate by
+    ``fault_factor``. Unfixed, the loss goes to chance (ln 16 = 2.77) and stays there; setting the rate back
+    leaves Adam's second moments filled by the spike, and the run stalls at chance; a rollback to before
+    the fault recovers it. ``final_loss``: cross-entropy on a fixed evaluation set of 512 sequences, the
+    median of its values every 10 steps over the last ``FINAL_WINDOW`` steps."""
+    torch.manual_seed(seed)
+    data = torch.Generator().manual_seed(seed + 1)
+    x_eval = torch.randint(0, 16, (512, 12), generator=torch.Generator().manual_seed(seed + 2))
+    model = ReverseTransformer()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    result = JobResult(run=run)
+    probe = probes.attach(model, opt, run=run, interval=interval,
+                          allow=REPAIR_ALLOW if allow is None else allow, **(probe_kwargs or {})) if attach else None
+    evals: list[float] = []
+    with _running(result, probe):
+        for step in range(steps):
+            if stop is not None and stop.is_set():
+                break
+            if not healthy and step == fault_step:
+                for group in opt.param_groups:
+                    group["lr"] = group["lr"] * fault_factor
+            tokens = torch.randint(0, 16, (32, 12), generator=data)
+            _train_step(model.loss(tokens), opt, probe, pace, result)
+            if step >= steps - FINAL_WINDOW and (steps - 1 - step) % 10 == 0:
+                with torch.no_grad():
+                    evals.append(model.loss(x_eval).item())
         result.final_loss = statistics.median(x if x == x else float("inf") for x in evals) if evals else None
     return result
 

@@ -42,6 +42,15 @@ async def _triage_nan(client: Any, run: str, job: Any) -> None:
     await call(client, "get_anomalies", run=run, kind="nonfinite")
 
 
+async def _advised_nan(client: Any, run: str, job: Any) -> None:
+    """What the server proposes for NaN weights in a job without snapshots: a restart, nothing live. Asked once
+    the run is over, for the NaN anomaly alone (what else shows up around it depends on the machine)."""
+    await asyncio.to_thread(job.join)
+    page = await call(client, "get_anomalies", run=run, kind="nonfinite")
+    for anomaly in page["anomalies"]:
+        await call(client, "propose_fix", run=run, anomaly_id=anomaly["id"])
+
+
 async def _triage_embeddings(client: Any, run: str, job: Any) -> None:
     """A recommender with zombie item rows: the agent damps them; the verdict is on the loss (the data that
     makes them zombies is unchanged, so their anomaly holds). Then it reads the table the anomaly names."""
@@ -66,12 +75,13 @@ SCENARIOS: dict[str, tuple[dict, Callable[[Any, str, Any], Awaitable[None]]]] = 
                          "kwargs": {"steps": 1600, "fault_step": 300, "pace": 0.004}}, _triage),
     "nan_rolled_back": ({"name": "fault_job", "run": "session-nan-batch",
                          "kwargs": {"fault": "nan_batch", "steps": 600, "pace": 0.004}}, _triage_nan),
-    # A job that keeps no snapshots cannot roll back: the NaN batch has already poisoned the weights, so
-    # skipping non-finite steps and cutting the rate both leave the anomaly in place (ineffective), and
-    # the agent reverts each before trying the next; what is left (a clip, a rollback) the job refuses.
-    "ineffective_reverted": ({"name": "fault_job", "run": "session-ineffective",
-                              "kwargs": {"fault": "nan_batch", "steps": 1600, "pace": 0.004,
-                                         "allow": ["skip_nonfinite", "lr_scale"]}}, _triage_nan),
+    # A job that keeps no snapshots cannot roll back, and the NaN batch has already poisoned the weights:
+    # nothing it allows (skipping non-finite steps, a rate cut) can bring them back, so the server proposes
+    # none of it, only a restart from a checkpoint from before the bad batch; the agent finds nothing to
+    # apply live and says so.
+    "nan_without_snapshots": ({"name": "fault_job", "run": "session-nan-no-snapshots",
+                               "kwargs": {"fault": "nan_batch", "steps": 600, "pace": 0.004,
+                                          "allow": ["skip_nonfinite", "lr_scale"]}}, _advised_nan),
     # Zombie item rows in a recommender (a broken join alternates the labels of 8 popular items): the agent
     # applies the proposed embedding_grad_scale, which the server judges on the loss, and looks at the table.
     "zombie_embeddings_damped": ({"name": "recommender_job", "run": "session-zombie-rows",
@@ -82,14 +92,13 @@ SCENARIOS: dict[str, tuple[dict, Callable[[Any, str, Any], Awaitable[None]]]] = 
 
 
 def record(name: str, out_dir: Path = HERE) -> Path:
-    from diag_server.demo import _free_port, start_server
+    from diag_server.testing import serve
 
     spec, scenario = SCENARIOS[name]
     data = tempfile.mkdtemp(prefix=f"traindx-record-{name}-")
     os.environ["TRAINDX_SPOOL"] = os.path.join(data, "spool")
-    port = _free_port()
-    server = start_server(data, port)
-    url = f"http://127.0.0.1:{port}"
+    server = serve(data)
+    url = server.url
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.jsonl"
     try:
@@ -103,8 +112,7 @@ def record(name: str, out_dir: Path = HERE) -> Path:
         asyncio.run(go())
         job.join()
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
     return path
 
 

@@ -39,8 +39,8 @@ import torch  # noqa: E402
 import torch.nn.utils.prune as tprune  # noqa: E402
 
 import probes  # noqa: E402
-from diag_server import compress as offline  # noqa: E402
-from diag_server.compression import plan  # noqa: E402
+from diag_server.compression import offline  # noqa: E402
+from diag_server.compression.recipe import plan  # noqa: E402
 from probes.compress_actions import prune as prune_action  # noqa: E402
 from probes.fisher import find as find_fisher  # noqa: E402
 from probes.fixes import Target  # noqa: E402

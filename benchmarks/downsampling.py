@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from diag_server import queries  # noqa: E402
+from diag_server.read import queries  # noqa: E402
 from diag_server.store import Store  # noqa: E402
 
 

@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from agent_examples.jobs import ReverseTransformer
+
 INTERVAL = 5  # the suite samples every 5th step so that a few seconds of training give enough samples
 
 
@@ -31,6 +33,7 @@ class Case:
     expect: tuple[str, ...] = ()  # anomaly kinds any one of which counts as detecting the fault; () = healthy
     onset: int = 0  # the step at which the fault begins
     what: str = ""
+    settle: int = 0  # steps the fault takes to show at all after its onset (a physical lag, not the rules')
 
 
 # -- data --------------------------------------------------------------------------------------------
@@ -222,6 +225,75 @@ def softmax_into_cross_entropy(attach, seed):
     _loop(attach, model, opt, nn.CrossEntropyLoss(), _batches(x, y, 64, seed), 60)
 
 
+# -- transformer faults: a 2-layer nn.TransformerEncoder reversing sequences, under Adam -------------------
+def _reverse_batches(seed: int, vocab: int = 16, length: int = 12, batch: int = 32):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        tokens = torch.randint(0, vocab, (batch, length), generator=g)
+        yield tokens, tokens.flip(1)
+
+
+def _sequence_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+TRANSFORMER_FAULT = 150  # the transformer faults strike here, after 150 healthy steps (loss ~2.5 from 2.8)
+
+
+def transformer_lr_spike(attach, seed):
+    torch.manual_seed(seed)
+    model = ReverseTransformer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def raise_lr(step, opt):
+        if step == TRANSFORMER_FAULT:  # a schedule bug: the rate multiplied by 100
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * 100
+    _loop(attach, model, opt, _sequence_loss, _reverse_batches(seed), 300, before_step=raise_lr)
+
+
+def transformer_nan_batch(attach, seed):
+    torch.manual_seed(seed)
+    model = ReverseTransformer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    clean = _reverse_batches(seed)
+
+    def data():
+        for step, (x, y) in enumerate(clean):
+            if step == TRANSFORMER_FAULT:  # a batch whose targets are all padding: the mean over no token is NaN
+                y = torch.full_like(y, -100)
+            yield x, y
+    _loop(attach, model, opt, _sequence_loss, data(), 220)
+
+
+def transformer_poisoned_optimizer(attach, seed):
+    torch.manual_seed(seed)
+    model = ReverseTransformer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def reload(step, opt):
+        if step == TRANSFORMER_FAULT + 3:
+            # The optimizer's state reloaded from a checkpoint that a mixed-precision run wrote with the moments
+            # of its scaled gradients (loss scale 2^16): once the first moment has decayed, every step is
+            # 65536x too small. The weights and the rate are untouched.
+            for state in opt.state.values():
+                state["exp_avg"].mul_(2.0 ** 16)
+                state["exp_avg_sq"].mul_(2.0 ** 32)
+    _loop(attach, model, opt, _sequence_loss, _reverse_batches(seed), 300, before_step=reload)
+
+
+def transformer_dead_units_after_spike(attach, seed):
+    torch.manual_seed(seed)
+    model = ReverseTransformer(activation=nn.ReLU())  # the feed-forward ReLU as a module, as many codebases have
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def spike(step, opt):
+        if step in (TRANSFORMER_FAULT, TRANSFORMER_FAULT + 10):  # a warm restart set 100x too high for 10 steps
+            for g in opt.param_groups:
+                g["lr"] = g["lr"] * (100 if step == TRANSFORMER_FAULT else 0.01)
+    _loop(attach, model, opt, _sequence_loss, _reverse_batches(seed), 300, before_step=spike)
+
+
 # -- healthy runs ------------------------------------------------------------------------------------
 def healthy_mlp_regression(attach, seed):
     torch.manual_seed(seed)
@@ -253,19 +325,6 @@ def healthy_cnn_digits(attach, seed):
     _loop(attach, model, opt, nn.CrossEntropyLoss(), _batches(x[:-300], y[:-300], 32, seed), 150, val=val)
 
 
-class _TinyTransformer(nn.Module):
-    def __init__(self, vocab: int = 16, d: int = 32, length: int = 12) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(length, d) * 0.02)
-        layer = nn.TransformerEncoderLayer(d, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(self.embed(tokens) + self.pos))
-
-
 def healthy_transformer(attach, seed):
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
@@ -275,7 +334,7 @@ def healthy_transformer(attach, seed):
         while True:
             tokens = torch.randint(0, vocab, (32, length), generator=g)
             yield tokens, tokens.flip(1)  # learn to reverse the sequence
-    model = _TinyTransformer(vocab, 32, length)
+    model = ReverseTransformer(vocab, 32, length)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     def loss_fn(out, y):
@@ -302,6 +361,23 @@ FAULTS: list[Case] = [
     Case("kept_tensors", kept_tensors, ("memory_growth",), 0, "4 MiB tensor appended to a list every step"),
     Case("softmax_into_cross_entropy", softmax_into_cross_entropy, ("output_range_mismatch",), 0,
          "model ends in Softmax, trained with CrossEntropyLoss"),
+    Case("transformer_lr_spike", transformer_lr_spike,
+         ("abnormal_update_ratio", "exploding_gradient", "loss_divergence", "training_stalled", "nonfinite"),
+         TRANSFORMER_FAULT, "2-layer transformer, Adam 1e-3 raised 100x at step 150"),
+    Case("transformer_nan_batch", transformer_nan_batch, ("nonfinite",), TRANSFORMER_FAULT,
+         "2-layer transformer, Adam: a batch whose targets are all padding (loss NaN) at step 150"),
+    # The reloaded first moment carries the same scale as the second, so the steps keep their size until it
+    # has decayed (0.9^30 = 0.04): the median update ratio is 10x down 22 steps after, 30x (training_stalled's
+    # line) ~33 steps after, 100x 37 steps after (measurement here).
+    Case("transformer_poisoned_optimizer", transformer_poisoned_optimizer,
+         ("abnormal_update_ratio", "training_stalled", "exploding_gradient"), TRANSFORMER_FAULT + 3,
+         "2-layer transformer, Adam: its state reloaded at step 153 with moments scaled by 2^16 and 2^32",
+         settle=35),
+    # 62-66% of the second layer's feed-forward units die (from 0%): dead_relu says so at info (its warning is
+    # at 70%), and the run stalls at chance.
+    Case("transformer_dead_units_after_spike", transformer_dead_units_after_spike,
+         ("dead_relu", "training_stalled", "abnormal_update_ratio"), TRANSFORMER_FAULT,
+         "2-layer transformer with ReLU modules, Adam 1e-3 raised 100x for steps 150-159: feed-forward units die"),
 ]
 HEALTHY: list[Case] = [
     Case("healthy_mlp_regression", healthy_mlp_regression, what="MLP regression, Adam 1e-3, val_loss"),

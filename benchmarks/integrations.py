@@ -66,9 +66,9 @@ def observe_cost(calls: int) -> float:
 def metrics_scrape(runs: int, repeats: int) -> tuple[float, float]:
     from fastapi.testclient import TestClient
 
-    from diag_server.app import create_app
+    from diag_server.api import create_app
     from diag_server.ingest import ingest
-    from diag_server.services import Services, Settings
+    from diag_server.pipeline.services import Services, Settings
     from schemas.events import IngestBatch
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,7 +80,7 @@ def metrics_scrape(runs: int, repeats: int) -> tuple[float, float]:
                    IngestBatch.model_validate({"batch_id": uuid.uuid4().hex, "run": f"run-{r}", "seq": 0,
                                                "events": events}))
         app = create_app(services=services)  # the token: services.settings.token, generated in the data dir
-        with TestClient(app, base_url="http://127.0.0.1",
+        with TestClient(app, base_url=f"http://127.0.0.1:{services.settings.port}",
                         headers={"authorization": f"Bearer {services.settings.token}"}) as client:
             metrics, health = [], []
             for _ in range(repeats):

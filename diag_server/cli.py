@@ -1,4 +1,4 @@
-"""The ``traindx`` command: serve, mcp, import, demo, schemas, and reading commands for people."""
+"""The ``traindx`` command: serve, open, mcp, import, demo, schemas, and reading commands for people."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-import click
+try:
+    import click
+except ImportError:  # the probe's install (`pip install traindx`) has no server
+    sys.exit("traindx: this command is the server's; install it with: pip install 'traindx[server]'")
 
 
 def _data_option(f):  # noqa: ANN001
@@ -16,7 +19,17 @@ def _data_option(f):  # noqa: ANN001
                         help="Data directory (SQLite store). Env: TRAINDX_DATA.")(f)
 
 
-@click.group()
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> object:
+        from .store import SchemaError
+
+        try:
+            return super().invoke(ctx)
+        except SchemaError as e:  # a store written by a newer traindx: say so, no traceback
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=_Group)
 @click.version_option(package_name="traindx")
 def main() -> None:
     """traindx: look inside a running PyTorch training job, find what is wrong, fix it live."""
@@ -27,6 +40,27 @@ def _token(ctx: click.Context, param: click.Parameter, value: str | None) -> str
         raise click.BadParameter("a token needs at least 16 printable characters and no spaces "
                                  "(leave it out and the server generates one in DATA/token)")
     return value
+
+
+def _hosts(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    from .api.security import parse_allowed_host
+
+    for entry in value:
+        if entry.strip() != "*":
+            try:
+                parse_allowed_host(entry)
+            except ValueError as e:
+                raise click.BadParameter(str(e)) from None
+    return value
+
+
+def _origins(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    from .api.security import parse_origin
+
+    try:
+        return tuple(parse_origin(v) for v in value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 @main.command()
@@ -43,9 +77,18 @@ def _token(ctx: click.Context, param: click.Parameter, value: str | None) -> str
 @click.option("--open-reads", is_flag=True, envvar="TRAINDX_OPEN_READS",
               help="Serve GET routes without the token (writes, ingest and /mcp still need it). "
                    "Env: TRAINDX_OPEN_READS=1.")
-@click.option("--allow-host", "allow_hosts", multiple=True, envvar="TRAINDX_ALLOW_HOSTS",
-              help="Another Host name clients may use (DNS-rebinding check); repeatable; '*' switches the check "
-                   "off. Env: TRAINDX_ALLOW_HOSTS (space-separated).")
+@click.option("--allow-host", "allow_hosts", multiple=True, envvar="TRAINDX_ALLOW_HOSTS", callback=_hosts,
+              metavar="NAME[:PORT]",
+              help="Another Host clients may use (DNS-rebinding check): NAME at this port or without one (behind "
+                   "a proxy), NAME:PORT exactly (a forwarded port); repeatable; '*' switches the Host and Origin "
+                   "checks off. Env: TRAINDX_ALLOW_HOSTS (space-separated).")
+@click.option("--allow-origin", "allow_origins", multiple=True, envvar="TRAINDX_ALLOW_ORIGINS", callback=_origins,
+              metavar="SCHEME://HOST[:PORT]",
+              help="Another browser origin that may use the server besides its own pages (e.g. https://NAME "
+                   "behind a TLS proxy); repeatable. Env: TRAINDX_ALLOW_ORIGINS (space-separated).")
+@click.option("--max-age-days", type=click.FloatRange(min=0.001, max=1e6), default=None,
+              envvar="TRAINDX_MAX_AGE_DAYS", help="Delete runs last heard from more than this many days ago "
+              "(checked at start, then at least hourly). Env: TRAINDX_MAX_AGE_DAYS.")
 @click.option("--max-data-mb", type=click.FloatRange(min=1, max=1e9), default=None, envvar="TRAINDX_MAX_DATA_MB",
               help="Size cap of the data directory: a warning from 80%, ingest refused (507; probes spool) at "
                    "the cap. Env: TRAINDX_MAX_DATA_MB.")
@@ -63,15 +106,15 @@ def _token(ctx: click.Context, param: click.Parameter, value: str | None) -> str
               help="Switch a rule off. Repeatable. Env: TRAINDX_DISABLE_RULES.")
 @_data_option
 def serve(host: str, port: int, allow_remote: bool, token: str | None, open_reads: bool, allow_hosts: tuple[str, ...],
-          max_data_mb: float | None, max_pending_ingest: int, log_level: str, rules: tuple[str, ...],
-          rule_params: tuple[str, ...], disabled: tuple[str, ...], data_dir: Path) -> None:
+          allow_origins: tuple[str, ...], max_age_days: float | None, max_data_mb: float | None,
+          max_pending_ingest: int, log_level: str, rules: tuple[str, ...], rule_params: tuple[str, ...], disabled: tuple[str, ...], data_dir: Path) -> None:
     """Serve ingest, the REST API (/v1), MCP over Streamable HTTP (/mcp) and health (/health)."""
     import uvicorn
 
-    from .app import create_app
+    from .api import create_app
     from .rule_config import engine_settings
-    from .security import is_loopback
-    from .services import Settings
+    from .api.security import is_loopback
+    from .pipeline.services import Settings
 
     if not is_loopback(host) and not allow_remote:
         raise click.UsageError(f"--host {host} would expose the server beyond this machine; pass --allow-remote "
@@ -81,17 +124,55 @@ def serve(host: str, port: int, allow_remote: bool, token: str | None, open_read
     except (ValueError, ImportError) as e:
         raise click.BadParameter(str(e), param_hint="rules") from None
     settings = Settings(host=host, port=port, data_dir=data_dir, token=token, open_reads=open_reads,
-                        allowed_hosts=allow_hosts, max_pending_ingest=max_pending_ingest, engine=engine,
-                        max_data_bytes=int(max_data_mb * 1e6) if max_data_mb is not None else None)
+                        allowed_hosts=allow_hosts, allowed_origins=allow_origins, max_pending_ingest=max_pending_ingest, engine=engine,
+                        max_data_bytes=int(max_data_mb * 1e6) if max_data_mb is not None else None,
+                        max_age_s=max_age_days * 86400 if max_age_days is not None else None)
     app = create_app(settings)
     services = app.state.services
     where = "(given)" if token else str(data_dir / "token")
     click.echo(f"traindx serving on http://{host}:{port} (MCP at /mcp), data in {data_dir}; store check: "
                f"{services.store_status}; token {where}", err=True)
     if is_loopback(host):
-        click.echo(f"dashboard: http://127.0.0.1:{port}/?token={settings.token}", err=True)
+        click.echo(f"dashboard: {dashboard_link(f'http://127.0.0.1:{port}', settings.token)} "
+                   "(again later: traindx open)", err=True)
     _settle_heap()
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def dashboard_link(server: str, token: str) -> str:
+    from urllib.parse import quote
+
+    return f"{server.rstrip('/')}/?token={quote(token, safe='')}"
+
+
+@main.command("open")
+@click.option("--server", default=lambda: os.environ.get("TRAINDX_SERVER", "http://127.0.0.1:8765"),
+              show_default="$TRAINDX_SERVER or http://127.0.0.1:8765", help="The server's address.")
+@click.option("--print-only", is_flag=True, help="Print the link without opening a browser.")
+@_data_option
+def open_(server: str, print_only: bool, data_dir: Path) -> None:
+    """Open the dashboard in a browser with its token (the link `traindx serve` printed), and print the link.
+
+    The token comes from TRAINDX_TOKEN, else from the server's data directory (DATA/token)."""
+    import webbrowser
+
+    import httpx
+
+    from .api.security import read_token_file
+
+    token = os.environ.get("TRAINDX_TOKEN") or read_token_file(data_dir)
+    if not token:
+        raise click.ClickException(f"no token in {data_dir / 'token'} nor in TRAINDX_TOKEN: start the server with "
+                                   "`traindx serve` (it writes one on first start), or pass --data DATA, the "
+                                   "server's data directory")
+    try:
+        httpx.get(f"{server.rstrip('/')}/health", timeout=3).raise_for_status()
+    except httpx.HTTPError as e:
+        click.echo(f"warning: {server} does not answer ({type(e).__name__}); is `traindx serve` running?", err=True)
+    link = dashboard_link(server, token)
+    click.echo(link)
+    if not print_only:
+        webbrowser.open(link)
 
 
 def _settle_heap() -> None:
@@ -110,8 +191,8 @@ def _settle_heap() -> None:
 def mcp(data_dir: Path) -> None:
     """Serve the MCP tools over stdio, reading the same data directory as `traindx serve`."""
     from . import __version__
-    from .services import Services, Settings
-    from .tools import build_mcp
+    from .pipeline.services import Services, Settings
+    from .api.mcp import build_mcp
 
     services = Services(Settings(data_dir=data_dir))
     try:
@@ -125,9 +206,9 @@ def mcp(data_dir: Path) -> None:
 @_data_option
 def import_(files: tuple[Path, ...], data_dir: Path) -> None:
     """Load event files (written with server=False, or a probe's spool) into the store. Idempotent."""
-    from .importer import import_file
+    from .pipeline.importer import import_file
     from .rule_config import engine_settings
-    from .services import Services, Settings
+    from .pipeline.services import Services, Settings
 
     try:
         engine = engine_settings()  # TRAINDX_RULES / TRAINDX_RULE_PARAMS / TRAINDX_DISABLE_RULES, as for serve
@@ -162,7 +243,7 @@ def export(run: str, jsonl: Path | None, tensorboard_dir: Path | None, data_dir:
 
 def _export_jsonl(run: str, jsonl: Path, data_dir: Path) -> None:
     from .errors import ApiError
-    from .retention import export_run
+    from .pipeline.retention import export_run
     from .store import Store
 
     store = Store(data_dir)
@@ -184,7 +265,7 @@ def _export_jsonl(run: str, jsonl: Path, data_dir: Path) -> None:
 
 def _export_tensorboard(run: str, tensorboard_dir: Path, data_dir: Path) -> None:
     from .errors import ApiError
-    from .tensorboard import export_run, open_store_readonly
+    from .read.tensorboard import export_run, open_store_readonly
 
     try:
         conn = open_store_readonly(data_dir)
@@ -218,7 +299,7 @@ def delete(run: str, force: bool, server: str | None, data_dir: Path) -> None:
     if server:
         import httpx
 
-        from .security import read_token_file
+        from .api.security import read_token_file
 
         token = os.environ.get("TRAINDX_TOKEN") or read_token_file(data_dir) or ""
         r = httpx.delete(f"{server.rstrip('/')}/v1/runs/{run}", params={"force": str(force).lower()},
@@ -227,7 +308,7 @@ def delete(run: str, force: bool, server: str | None, data_dir: Path) -> None:
             raise click.ClickException(f"{server} answered {r.status_code}: {r.text[:500]}")
         click.echo(f"{run} deleted", err=True)
         return
-    from .retention import delete_run
+    from .pipeline.retention import delete_run
     from .store import Store
 
     store = Store(data_dir)
@@ -241,13 +322,32 @@ def delete(run: str, force: bool, server: str | None, data_dir: Path) -> None:
 
 
 @main.command()
-@click.option("--steps", type=int, default=1500, show_default=True, help="Training steps.")
-@click.option("--keep", is_flag=True, help="Keep the server running at the end so the data can be browsed.")
-def demo(steps: int, keep: bool) -> None:
-    """A server, a training run that goes wrong, and an agent that finds and fixes it over MCP."""
-    from .demo import run_demo
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--run", required=True, help="The run to diagnose (a file may hold several).")
+def report(files: tuple[Path, ...], run: str) -> None:
+    """Diagnose a run from its event files or spools, without a server (what probe.report() prints
+    when the job has none): the same rules, over a throwaway store."""
+    from .local import diagnose_files
 
-    sys.exit(run_demo(steps=steps, keep=keep))
+    click.echo(diagnose_files(files, run))
+
+
+@main.command()
+@click.option("--steps", type=int, default=1500, show_default=True, help="Training steps.")
+@click.option("--keep/--no-keep", default=None, help="Keep the server (and the dashboard) up at the end until "
+              "Ctrl-C. Default: when the output is a terminal.")
+def demo(steps: int, keep: bool | None) -> None:
+    """A server, a training run that goes wrong, and an agent that finds and fixes it over MCP."""
+    import subprocess
+
+    # The demo is an example (agent_examples/demo.py), a consumer of the server: it runs in its own process.
+    cmd = [sys.executable, "-m", "agent_examples.demo", "--steps", str(steps)]
+    if keep is not None:
+        cmd.append("--keep" if keep else "--no-keep")
+    try:
+        sys.exit(subprocess.run(cmd).returncode)
+    except KeyboardInterrupt:  # the child got it too, and stops its server
+        sys.exit(130)
 
 
 @main.command("rules")
@@ -281,37 +381,12 @@ def rules_(rules: tuple[str, ...], rule_params: tuple[str, ...], disabled: tuple
 @_data_option
 def replay(session: Path, against: str, run_job: bool, timeout: float, data_dir: Path) -> None:
     """Re-run a recorded MCP session and report every response that differs in shape or meaning."""
-    import asyncio
+    import subprocess
 
-    from agent_examples.scripted_agent import connect
-    from agent_examples.sessions import SessionError, load, replay as run_replay, start_job
-
-    try:
-        header, calls = load(session)
-    except SessionError as e:
-        raise click.ClickException(str(e)) from None
-    job = None
-    if run_job:
-        if against == "stdio" or not header.get("job"):
-            raise click.ClickException("--run-job needs a URL target and a session whose header names a job")
-        job = start_job(header["job"], against.rsplit("/mcp", 1)[0])
-
-    async def go():  # noqa: ANN202
-        client = connect(stdio_data=str(data_dir), name="traindx-replay") if against == "stdio" else \
-            connect(against, name="traindx-replay")
-        async with client:
-            return await run_replay(client, calls, timeout=timeout)
-
-    report = asyncio.run(go())
-    if job is not None:
-        job.join()
-    for m in report.mismatches:
-        click.echo(f"call {m.seq} ({m.tool}) differs:")
-        for d in m.differences[:20]:
-            click.echo(f"  {d}")
-    click.echo(f"{report.calls} recorded calls replayed ({report.sent} requests sent): "
-               f"{len(report.mismatches)} differ")
-    sys.exit(0 if report.ok else 1)
+    # The examples are a consumer of the server, never part of it: they run in their own process.
+    cmd = [sys.executable, "-m", "agent_examples.replay", str(session), "--against", against,
+           "--timeout", repr(timeout), "--data", str(data_dir)] + (["--run-job"] if run_job else [])
+    sys.exit(subprocess.run(cmd).returncode)
 
 
 @main.command()
@@ -326,7 +401,7 @@ def compress(checkpoint: Path, recipe_path: Path, out: Path, trust_checkpoint: b
     """Apply a recipe to a checkpoint: bitmask + kept values (int8 where chosen); print sizes and latency."""
     import json
 
-    from .compress import CompressError, compress as run_compress
+    from .compression.offline import CompressError, compress as run_compress
 
     try:
         report = run_compress(checkpoint, recipe_path, out, trust=trust_checkpoint)

@@ -22,8 +22,8 @@ import orjson
 from schemas.enums import AnomalyKind as K
 from schemas.records import Anomaly, Cause, Diagnosis
 
-from .queries import anomalies as list_anomalies
-from .queries import require_run
+from .read.queries import anomalies as list_anomalies
+from .read.queries import require_run
 from .rules.base import median
 from .rules.gradients import global_norm
 from .store import Store

@@ -14,9 +14,10 @@ import orjson
 
 from schemas.enums import AnomalyStatus, FixStatus, Severity
 
-from .fixes import MITIGATIONS
+from .fixes import MITIGATIONS, fault_step
 from .rules import BUILTIN, Finding, Observations, Rule
 from .store import add_message
+from .fixes.verdict import REFERENCE_POINTS, START_POINTS, judge
 
 _SEVERITY_ORDER = {Severity.info.value: 0, Severity.warning.value: 1, Severity.critical.value: 2}
 
@@ -26,16 +27,15 @@ class EngineSettings:
     # An anomaly is resolved when its rule has not reported it for this many sampling intervals.
     resolve_after_intervals: int = 3
     # A fix is judged this many sampling intervals (and at least verify_min_steps) after it was applied,
-    # sooner if its anomaly clears. 200 steps: the demo's loss needs ~100 steps to settle after a
-    # learning-rate fix, and the anomaly another 3 intervals to resolve (measurement here).
+    # sooner (from a quarter of that on) if its anomaly clears and the run is back near its healthy level.
+    # 200 steps: the demo's loss needs ~100 steps to settle after a learning-rate fix, and the anomaly
+    # another 3 intervals to resolve (measurement here). What "back" means: diag_server/verdict.py.
     verify_after_intervals: int = 6
     verify_min_steps: int = 200
-    # A fix after which the loss median is this much higher than before is flagged for revert.
+    # A run whose loss is still coming down at the end of the window is given up to this many windows.
+    verify_max_windows: int = 3
+    # A fix after which an objective's median is this much higher than before is flagged for revert.
     worse_margin: float = 0.10
-    # A fix after which the loss is below this fraction of what it was before counts as effective even if
-    # its anomaly still holds (the demo's learning-rate fix takes the loss from ~5 to ~0.06 while the dead
-    # ReLU units the spike left behind stay dead: measurement here).
-    recovered_ratio: float = 0.5
     rule_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     disabled: set[str] = field(default_factory=set)
     extra_rules: list[type[Rule]] = field(default_factory=list)
@@ -105,7 +105,7 @@ class Engine:
     # -- called from ingest, in the writer thread ------------------------------------------------------
     def process(self, conn: sqlite3.Connection, obs: Observations, now: float) -> list[str]:
         """Run every rule over ``obs``; return ids of anomalies opened by this batch."""
-        from .evidence import request_snapshot
+        from .pipeline.evidence import request_snapshot
 
         opened: list[str] = []
         seen: set[str] = set()
@@ -178,67 +178,30 @@ class Engine:
                      (obs.last_step, now, obs.run, horizon))
 
     def _verify_fixes(self, conn: sqlite3.Connection, obs: Observations, now: float) -> None:
-        rows = conn.execute("SELECT f.id, f.action, f.applied_step, f.verify, a.status AS astatus, a.last_step AS alast, "
-                            "a.resolved_step AS aresolved "
+        rows = conn.execute("SELECT f.id, f.action, f.applied_step, a.kind, a.status AS astatus, "
+                            "a.first_step AS afirst, a.resolved_step AS aresolved, a.evidence AS aevidence "
                             "FROM fixes f LEFT JOIN anomalies a ON a.id = f.anomaly_id "
                             # A fix with no anomaly (prune, sensitivity) has nothing to clear: no verdict.
                             "WHERE f.run=? AND f.status='applied' AND f.anomaly_id IS NOT NULL", (obs.run,)).fetchall()
+        if not rows:
+            return
+        window = max(self.settings.verify_after_intervals * obs.interval, self.settings.verify_min_steps)
+        names = objectives(conn, obs.run)
         for r in rows:
             applied = r["applied_step"] or 0
-            window = max(self.settings.verify_after_intervals * obs.interval, self.settings.verify_min_steps)
-            verify = orjson.loads(r["verify"]) if r["verify"] else {}
-            resolved = r["astatus"] == AnomalyStatus.resolved.value
-            # An anomaly that had cleared before the fix was applied says nothing about the fix: judge it
-            # by the loss once the window has passed.
-            early = resolved and (r["aresolved"] or 0) <= applied
-            if (not resolved or early) and obs.last_step < applied + window:
+            if obs.last_step <= applied:
                 continue
-            # Every verdict compares the loss since the fix with the loss before it: a fix that cleared its
-            # anomaly but left the loss worse by the margin is flagged for revert too.
-            # Where the loss is now (the last quarter of the window), not its median since the fix: a fix
-            # that lets more of the model train may cost a transient before it pays off.
-            after = loss_median(conn, obs.run, max(applied, obs.last_step - window // 4), obs.last_step)
-            before = verify.get("loss_before")
-            # ... and only while it is not coming down: a loss still falling fast is a transient, not harm.
-            first = loss_median(conn, obs.run, applied, min(applied + window // 4, obs.last_step))
-            falling = first is not None and after is not None and after < 0.8 * first
-            # Judged on a full window only: an anomaly that clears within a few steps of its fix leaves the loss
-            # where the fault put it, which says nothing yet about the fix (measurement here: a clip applied
-            # after three corrupt batches, flagged at 35 steps and reverted, let the run blow up).
-            full = obs.last_step - applied >= window
-            worse = (full and before is not None and after is not None
-                     and after > before * (1 + self.settings.worse_margin) and not falling)
-            worse_text = f"; loss is worse ({after:.4g} vs {before:.4g} before): revert it" if worse else ""
-            detail = {"loss_before": before, "loss_after": after, "revert_suggested": worse}
-            if early:
-                self._verdict(conn, obs.run, r["id"], FixStatus.ineffective if worse else FixStatus.effective,
-                              f"the anomaly had cleared before the fix (step {r['aresolved']}); over the "
-                              f"{obs.last_step - applied} steps since, the loss is "
-                              + (f"{after:.4g} vs {before:.4g} before" if after is not None and before is not None
-                                 else "not comparable") + worse_text, now, detail)
-            elif resolved:
-                self._verdict(conn, obs.run, r["id"], FixStatus.effective,
-                              f"the anomaly cleared within {obs.last_step - applied} steps of the fix" + worse_text,
-                              now, detail)
-            elif r["action"] in MITIGATIONS and full and before is not None and after is not None and not worse:
-                # Damping a table's noisy rows cannot clear what makes them noisy (their data is unchanged):
-                # the anomaly holding is the expected state. What the fix promises is that those rows stop
-                # chasing it without costing the run; measured, that gains validation MSE
-                # (docs/embeddings.md), which the server does not see. So: judged on the loss, not on the anomaly.
-                self._verdict(conn, obs.run, r["id"], FixStatus.effective,
-                              f"the rows are damped; their data, which the anomaly describes, is unchanged, so the "
-                              f"anomaly still holds, as expected; over the {obs.last_step - applied} steps since the "
-                              f"fix the loss is {after:.4g} vs {before:.4g} before: not worse", now, detail)
-            elif full and before is not None and after is not None and after < self.settings.recovered_ratio * before:
-                # The run recovered (the loss fell by more than half) though this anomaly still holds: the
-                # fix did its job; what remains (dead units a spike left behind, say) needs its own fix.
-                self._verdict(conn, obs.run, r["id"], FixStatus.effective,
-                              f"the loss fell from {before:.4g} to {after:.4g} within {obs.last_step - applied} "
-                              "steps of the fix; the anomaly itself still holds and needs its own fix", now, detail)
-            else:
-                self._verdict(conn, obs.run, r["id"], FixStatus.ineffective,
-                              f"the anomaly still held {obs.last_step - applied} steps after the fix" + worse_text,
-                              now, detail)
+            evidence = orjson.loads(r["aevidence"]) if r["aevidence"] else {}
+            fault = fault_step(conn, obs.run, r["afirst"] or 0, evidence, obs.interval)
+            series = {name: objective_points(conn, obs.run, name, fault, applied, obs.last_step) for name in names}
+            resolved = r["astatus"] == AnomalyStatus.resolved.value
+            v = judge(series, fault_step=fault, applied_step=applied, now_step=obs.last_step, window=window,
+                      max_windows=self.settings.verify_max_windows,
+                      cleared_step=(r["aresolved"] or applied) if resolved else None,
+                      still_open=r["astatus"] == AnomalyStatus.open.value, kind=r["kind"] or "its",
+                      mitigation=r["action"] in MITIGATIONS, worse_margin=self.settings.worse_margin)
+            if v.status is not None:
+                self._verdict(conn, obs.run, r["id"], FixStatus(v.status), v.reason, now, v.detail())
 
     @staticmethod
     def _verdict(conn: sqlite3.Connection, run: str, fix_id: str, status: FixStatus, reason: str, now: float,
@@ -251,9 +214,34 @@ class Engine:
 
 def loss_median(conn: sqlite3.Connection, run: str, lo: int, hi: int) -> float | None:
     vals = [r[0] for r in conn.execute("SELECT value FROM scalars WHERE run=? AND name='loss' AND step>=? AND step<=? "
-                                       "AND value IS NOT NULL", (run, lo, hi))]
+                                       "AND value IS NOT NULL AND rank=0", (run, lo, hi))]
     if not vals:
         return None
     vals.sort()
     return vals[len(vals) // 2]
 
+
+# Validation objectives a verdict also reads when the run logs them (the overfitting rule's names).
+VALIDATION_NAMES = ("val_loss", "valid_loss", "validation_loss", "eval_loss")
+
+
+def objectives(conn: sqlite3.Connection, run: str) -> list[str]:
+    """The run's tracked objectives: the training loss and the validation losses it logs."""
+    logged = {r[0] for r in conn.execute(
+        f"SELECT DISTINCT name FROM scalars WHERE run=? AND name IN ({','.join('?' * len(VALIDATION_NAMES))})",
+        (run, *VALIDATION_NAMES))}
+    return ["loss", *[n for n in VALIDATION_NAMES if n in logged]]
+
+
+def objective_points(conn: sqlite3.Connection, run: str, name: str, fault: int | None, applied: int,
+                     now: int) -> list[tuple[int, float | None]]:
+    """What a verdict reads of one objective (rank 0's, as the rules): the run's first points, the stretch
+    before the fault, and everything from just before the fix until now; bounded whatever the run's length."""
+    base = "SELECT step, value FROM scalars WHERE run=? AND name=? AND rank=0 AND "
+    points = dict(conn.execute(base + "step>=0 ORDER BY step LIMIT ?", (run, name, START_POINTS)).fetchall())
+    if fault is not None:
+        points.update(conn.execute(base + "step<? ORDER BY step DESC LIMIT ?",
+                                   (run, name, fault, 2 * REFERENCE_POINTS)).fetchall())
+    points.update(conn.execute(base + "step>? AND step<=? ORDER BY step",
+                               (run, name, applied - REFERENCE_POINTS, now)).fetchall())
+    return sorted(points.items())

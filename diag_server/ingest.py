@@ -13,8 +13,9 @@ from pydantic import ValidationError
 from schemas.events import (CaptureResult, Command, FixAck, IngestBatch, IngestReply, LayerProfiles, RunStart,
                             Scalars, Spans, TensorSnapshot, TensorStats)
 
-from . import captures, evidence, fixes, ranks
-from .compression import store_profiles
+from .pipeline import captures, evidence, ranks
+from . import fixes
+from .compression.recipe import store_profiles
 from .engine import Engine, loss_median
 from .errors import ApiError
 from .rules import Observations
@@ -66,27 +67,16 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
     conn.execute("INSERT INTO batches(batch_id, run, seq, received, events) VALUES (?,?,?,?,?)",
                  (batch.batch_id, run, batch.seq, now, len(batch.events)))
     obs = Observations(run=run, interval=_interval(conn, run), rank=rank)
-    last_step = 0
-    scalar_rows: list[tuple[Any, ...]] = []
-    stat_rows: list[tuple[Any, ...]] = []
-    table_rows: list[tuple[Any, ...]] = []
+    last_step = max(ev.step for ev in batch.events)
+    # The batch's data is stored before anything in it that reads the store is handled: a fix_ack looks up
+    # the losses of the steps before it, and with fast steps those are in this very batch.
+    _store_data(conn, run, rank, batch.events, obs)
+    conn.execute("UPDATE runs SET last_step=max(last_step, ?) WHERE run=?", (last_step, run))
     span_events: list[Spans] = []
     for ev in batch.events:
-        last_step = max(last_step, ev.step)
-        if isinstance(ev, Scalars):
-            for name, value in ev.values.items():
-                scalar_rows.append((run, ev.step, name, value, ev.time, rank))
-                obs.scalars.setdefault(name, []).append((ev.step, value))
-        elif isinstance(ev, TensorStats):
-            # A row's fields as validated, copied; only an embedding summary (a nested model) needs a dump.
-            rows = [dict(r.__dict__) if r.embedding is None else r.model_dump() for r in ev.rows]
-            collection = ev.collection.value
-            obs.stats.setdefault(collection, {})[ev.step] = rows
-            stat_rows.extend((run, ev.step, collection, *_stat_values(r), rank) for r in rows)
-            # an embedding table's latest summary, for GET /v1/runs/{run}/embeddings (older reports: the rules')
-            table_rows.extend((run, rank, r["name"], ev.step, orjson.dumps(r["embedding"]))
-                              for r in rows if r.get("embedding") is not None)
-        elif isinstance(ev, RunStart):
+        if isinstance(ev, (Scalars, TensorStats)):
+            continue
+        if isinstance(ev, RunStart):
             if ranks.started(conn, run, rank, ev):
                 conn.execute("UPDATE runs SET start=?, ended=0 WHERE run=?", (ev.model_dump_json(), run))
             obs.interval = int(ev.config.get("interval") or DEFAULT_INTERVAL)  # type: ignore[arg-type]
@@ -118,6 +108,31 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
             _expire_pending(conn, run, "the job ended before it picked the fix up", now)
             captures.expire(conn, run, now)
             evidence.expire(conn, run, now)
+    obs.spans = ranks.store_spans(conn, run, rank, span_events)
+    obs.world_size = ranks.world_size(conn, run)
+    engine.process(conn, obs, now)
+    return _reply(conn, run, rank, accepted=len(batch.events))
+
+
+def _store_data(conn: sqlite3.Connection, run: str, rank: int, events: list, obs: Observations) -> None:
+    """Store a batch's scalars and tensor statistics, and gather them into ``obs`` for the rules."""
+    scalar_rows: list[tuple[Any, ...]] = []
+    stat_rows: list[tuple[Any, ...]] = []
+    table_rows: list[tuple[Any, ...]] = []
+    for ev in events:
+        if isinstance(ev, Scalars):
+            for name, value in ev.values.items():
+                scalar_rows.append((run, ev.step, name, value, ev.time, rank))
+                obs.scalars.setdefault(name, []).append((ev.step, value))
+        elif isinstance(ev, TensorStats):
+            # A row's fields as validated, copied; only an embedding summary (a nested model) needs a dump.
+            rows = [dict(r.__dict__) if r.embedding is None else r.model_dump() for r in ev.rows]
+            collection = ev.collection.value
+            obs.stats.setdefault(collection, {})[ev.step] = rows
+            stat_rows.extend((run, ev.step, collection, *_stat_values(r), rank) for r in rows)
+            # an embedding table's latest summary, for GET /v1/runs/{run}/embeddings (older reports: the rules')
+            table_rows.extend((run, rank, r["name"], ev.step, orjson.dumps(r["embedding"]))
+                              for r in rows if r.get("embedding") is not None)
     for series in obs.scalars.values():  # events of one batch may interleave steps
         series.sort(key=lambda p: p[0])
     conn.executemany("INSERT INTO scalars(run, step, name, value, time, rank) VALUES (?,?,?,?,?,?)", scalar_rows)
@@ -126,11 +141,6 @@ def _ingest(conn: sqlite3.Connection, engine: Engine, batch: IngestBatch, now: f
     conn.executemany("INSERT INTO embedding_tables(run, rank, name, step, summary) VALUES (?,?,?,?,?) "
                      "ON CONFLICT(run, rank, name) DO UPDATE SET step=excluded.step, summary=excluded.summary "
                      "WHERE excluded.step >= embedding_tables.step", table_rows)
-    obs.spans = ranks.store_spans(conn, run, rank, span_events)
-    obs.world_size = ranks.world_size(conn, run)
-    conn.execute("UPDATE runs SET last_step=max(last_step, ?) WHERE run=?", (last_step, run))
-    engine.process(conn, obs, now)
-    return _reply(conn, run, rank, accepted=len(batch.events))
 
 
 def _reply(conn: sqlite3.Connection, run: str, rank: int, **kw: Any) -> IngestReply:

@@ -22,12 +22,13 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from . import fixes, signals
+from . import fixes, registry, signals
 from .capture import Capture
 from .agreement import Agreement
 from .amp import ScalerWatch
-from .collect import COLLECTIONS, Collection, HostCopy, Phases
+from .collect import Collection, HostCopy, Phases
 from .context import Clock, Timeline, UserSpan, new_user_spans, world
+from .registry import COLLECTIONS
 from .rollback import RollbackBuffer
 from .sender import Sender
 from .sinks import FileSink, HttpSink, Sink
@@ -41,7 +42,6 @@ DEFAULT_SERVER = "http://127.0.0.1:8765"
 # costs ~0.1% of a 3 ms step of a 186k-parameter CPU MLP, against ~4% at 50 (benchmarks/overhead.py).
 DEFAULT_INTERVAL = 100
 DEFAULT_COLLECTIONS = ("weights", "gradients", "updates", "activations", "system", "timeline")
-KNOWN_COLLECTIONS: dict[str, type[Collection]] = {**COLLECTIONS, Timeline.name: Timeline}
 TRAIN = "train"
 MODE_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 # After this many internal errors the probe stops sampling altogether rather than keep failing.
@@ -185,11 +185,11 @@ class Probe:
         wanted = collections if collections is not None else DEFAULT_COLLECTIONS
         items = wanted.items() if isinstance(wanted, Mapping) else ((c, None) for c in wanted)
         for name, every in items:
-            if name not in KNOWN_COLLECTIONS:
-                raise ValueError(f"unknown collection {name!r}; known: {sorted(KNOWN_COLLECTIONS)}")
+            if name not in COLLECTIONS:
+                raise ValueError(f"unknown collection {name!r}; known: {sorted(COLLECTIONS)}")
             if every is not None:
                 every = _steps(f"collection {name!r}: its interval", every, " (leave a collection out to turn it off)")
-            self.collections.append(KNOWN_COLLECTIONS[name](self, every or interval))
+            self.collections.append(COLLECTIONS[name](self, every or interval))
         self._fixed_interval = {c.name for c in self.collections} if isinstance(wanted, Mapping) else set()
 
         if sink is None:
@@ -429,11 +429,10 @@ class Probe:
         """Print the run's diagnosis and return it as text.
 
         Asked of the server when the probe sends to one; with no server (``server=False``, or a server that
-        cannot be reached) the same rules run here over the run's local events, importing the server's
-        code only now. Never raises: a failure is described in the returned text.
+        cannot be reached) the same rules run over the run's local events in a child process
+        (``traindx report``), so the job never imports the server. Never raises: a failure is described
+        in the returned text.
         """
-        import sys
-
         try:
             if not self._closed:
                 self.flush(timeout)
@@ -458,18 +457,37 @@ class Probe:
         return r.json().get("report") if r.status_code == 200 else None
 
     def _local_report(self) -> str:
-        sink = self.sender.sink
-        from diag_server import local  # only here: a training job never imports the server otherwise
+        """The same rules over the events kept here, run by ``traindx report`` in a child process: the
+        training job never imports the server (nor needs its dependencies, ``traindx[server]``)."""
+        import subprocess
+        import tempfile
+        from pathlib import Path
 
-        if isinstance(sink, FileSink):
-            return local.diagnose_file(sink.path, self.run)
+        import orjson
+
+        sink = self.sender.sink
         batches = getattr(sink, "batches", None)
-        if batches is not None:  # MemorySink
-            return local.diagnose_batches(list(batches), self.run)
-        spool = self.sender.spool_path
-        if spool.exists():  # the server was never reached: what it would have got is in the spool
-            return local.diagnose_file(spool, self.run)
-        return f"traindx: no report for run {self.run}: the server cannot be reached and no events are kept locally"
+        with tempfile.TemporaryDirectory(prefix="traindx-report-") as tmp:
+            if isinstance(sink, FileSink):
+                path = Path(sink.path)
+            elif batches is not None:  # MemorySink
+                path = Path(tmp) / "events.jsonl"
+                path.write_bytes(b"".join(orjson.dumps(b) + b"\n" for b in batches))
+            elif self.sender.spool_path.exists():  # the server was never reached: what it would have got
+                path = self.sender.spool_path
+            else:
+                return (f"traindx: no report for run {self.run}: the server cannot be reached and no events "
+                        "are kept locally")
+            cmd = [sys.executable, "-m", "diag_server.cli", "report", str(path), "--run", self.run]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            if "traindx[server]" in done.stderr or "No module named" in done.stderr:
+                kept = "" if batches is not None else f"; then `traindx report {path} --run {self.run}`"
+                return (f"traindx: no report for run {self.run} without a server: the rules are the server's, "
+                        f"not installed here (pip install 'traindx[server]'{kept})")
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return f"traindx: no report for run {self.run}: {last}"
+        return done.stdout.rstrip("\n")
 
     def set_interval(self, interval: int) -> None:
         self.interval = interval
@@ -480,13 +498,19 @@ class Probe:
         self._quiet_until = 0
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Send everything measured so far; True when it reached the server."""
+        """Send everything measured so far; True when it reached the server. Waits up to ``timeout`` for a
+        slow, busy or restarting server; sooner only when no server has answered this job at all."""
         self._flush_scalars()
         self._drain_in_flight(wait=True)
         return self.sender.flush(timeout)
 
     def close(self, timeout: float = 10.0, *, reason: str = "closed") -> None:
-        """Send what is left and take every hook off. Called at interpreter exit for a probe left open."""
+        """Send what is left and take every hook off. Called at interpreter exit for a probe left open.
+
+        Returns once everything is delivered, or after ``timeout`` seconds (a slow or busy server is waited
+        on, a server that went away is tried again until then), or after a short grace when no server has
+        answered this job at all. What is still undelivered then stays in the spool, named in one log line
+        with the command that delivers it (docs/reliability.md)."""
         if self._closed:
             return
         _OPEN.discard(self)
@@ -743,7 +767,7 @@ class Probe:
             return {**ack, "status": "rejected",
                     "reason": f"this job does not allow {action!r} (allowed: {sorted(self.allow) or 'none'})"}
         try:
-            applied = fixes.apply(action, self._target, cmd.get("params") or {}, self.allow[action], fix_id)
+            applied = registry.apply(action, self._target, cmd.get("params") or {}, self.allow[action], fix_id)
         except fixes.FixRejected as e:
             return {**ack, "status": "rejected", "reason": str(e)}
         except Exception as e:  # noqa: BLE001

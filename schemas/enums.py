@@ -24,6 +24,7 @@ class AnomalyKind(str, Enum):
     unchanged_tensor = "unchanged_tensor"
     loss_not_decreasing = "loss_not_decreasing"
     loss_divergence = "loss_divergence"
+    training_stalled = "training_stalled"  # after a fault: loss far above its level before, updates collapsed
     oscillating_loss = "oscillating_loss"
     overfitting = "overfitting"
     input_not_normalized = "input_not_normalized"
@@ -74,8 +75,8 @@ class FixStatus(str, Enum):
     rejected = "rejected"  # the job refused it (action not allowed, parameter out of bounds)
     failed = "failed"  # the job tried and could not apply it
     expired = "expired"  # the job ended or stopped answering before it picked the fix up
-    effective = "effective"  # applied, and the anomaly cleared within the verification window
-    ineffective = "ineffective"  # applied, and the anomaly still held after the window
+    effective = "effective"  # applied, and the run's loss came back near its healthy level before the fault
+    ineffective = "ineffective"  # applied, and the run had not come back by the end of the window
     reverted = "reverted"  # undone in the job after revert_fix
     advice = "advice"  # needs a restart: instructions only, never claimed as applied
 

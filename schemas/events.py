@@ -15,15 +15,27 @@ from .enums import RUN_ID_PATTERN, Collection, FixAction
 NAME_PATTERN = r"^[^\x00-\x1f]{1,256}$"
 MAX_EVENTS_PER_BATCH = 5000
 MAX_ROWS_PER_EVENT = 20000
+# Integers are stored as SQLite INTEGERs and written by orjson: both 64-bit signed. Nothing larger fits.
+INT64_MAX = 2**63 - 1
+# Steps stay exact as doubles, so a JavaScript client (the dashboard) reads every step as sent.
+MAX_STEP = 2**53
+# torch.distributed numbers ranks with a C int: at most 2**31 - 1 processes.
+MAX_WORLD_SIZE = 2**31 - 1
 
 RunId = Annotated[str, Field(pattern=RUN_ID_PATTERN, description="Run id: letters, digits, '.', '_', ':', '-'; at most 128.")]
 TensorName = Annotated[str, Field(pattern=NAME_PATTERN, description="A parameter, module or scalar name.")]
-# Strict: a step is an integer on the wire, never true/false, "12" or 12.0 coerced into one.
-Step = Annotated[int, Field(ge=0, le=2**53, strict=True, description="Training step, counted by the probe from 0.")]
-Number = Annotated[float | None, Field(description="A finite number, or null when the value was NaN or infinite.")]
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-Time = Annotated[float, Field(allow_inf_nan=False, ge=0, description="Unix time in seconds.")]
-ParamValue = Union[bool, int, Finite, str, list[str], list[Number], None]
+# The wire is strict: an integer is a JSON integer, never true/false, "12" or 12.0 coerced into one; a
+# number is a JSON number (an integer is one too), never a boolean or a string; a boolean is true/false.
+Step = Annotated[int, Field(ge=0, le=MAX_STEP, strict=True, description="Training step, counted by the probe from 0.")]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX, strict=True)]
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX, strict=True)]
+Rank = Annotated[int, Field(ge=0, le=MAX_WORLD_SIZE - 1, strict=True)]
+Flag = Annotated[bool, Field(strict=True)]
+Number = Annotated[float | None, Field(strict=True, description="A finite number, or null when the value was NaN or "
+                                                                "infinite.")]
+Finite = Annotated[float, Field(allow_inf_nan=False, strict=True)]
+Time = Annotated[float, Field(allow_inf_nan=False, ge=0, strict=True, description="Unix time in seconds.")]
+ParamValue = Union[bool, Int64, Finite, str, list[str], list[Number], None]
 Params = Annotated[dict[str, ParamValue], Field(max_length=64)]
 
 
@@ -38,11 +50,11 @@ class ModuleInfo(_Model):
 
 class ParamInfo(_Model):
     name: TensorName
-    shape: list[int] = Field(max_length=16)
-    numel: int = Field(ge=0)
-    trainable: bool = True
+    shape: list[Count] = Field(max_length=16)
+    numel: Count
+    trainable: Flag = True
     dtype: str = Field("float32", max_length=32)
-    local_numel: int | None = Field(None, ge=0, description=(
+    local_numel: Count | None = Field(None, description=(
         "A sharded parameter (FSDP2's DTensor): the elements this rank holds. Its statistics (weights, "
         "gradients, updates) and snapshots from this rank cover that shard."))
     placements: str | None = Field(None, max_length=256, description=(
@@ -62,13 +74,13 @@ class RunStart(_Model):
     time: Time
     modules: list[ModuleInfo] = Field(default_factory=list, max_length=100000)
     params: list[ParamInfo] = Field(default_factory=list, max_length=100000)
-    total_params: int = Field(0, ge=0)
+    total_params: Count = 0
     optimizer: OptimizerInfo | None = None
     torch_version: str = Field("", max_length=64)
     device: str = Field("cpu", max_length=64)
-    world_size: int = Field(1, ge=1)
-    rank: int = Field(0, ge=0)
-    local_rank: int = Field(0, ge=0, description="Rank within its host (LOCAL_RANK under torchrun).")
+    world_size: int = Field(1, ge=1, le=MAX_WORLD_SIZE, strict=True)
+    rank: Rank = 0
+    local_rank: Rank = Field(0, description="Rank within its host (LOCAL_RANK under torchrun).")
     host: str = Field("", max_length=256)
     allow: list[FixAction] = Field(default_factory=list, description="Fix actions this job accepts.")
     config: Params = Field(default_factory=dict, description="The probe's own configuration.")
@@ -98,8 +110,8 @@ MAX_EMBEDDING_ROWS = 512
 class EmbeddingRow(_Model):
     """One row of an embedding table and its dynamics, as the embeddings collection measured them."""
 
-    row: int = Field(ge=0, description="Row index in the table.")
-    touches: int = Field(ge=0, description="Tracked steps in which the row was looked up and got a non-zero gradient.")
+    row: Count = Field(description="Row index in the table.")
+    touches: Count = Field(description="Tracked steps in which the row was looked up and got a non-zero gradient.")
     velocity: Number = Field(None, description="EMA of ||row after - row before|| across the optimizer step.")
     consistency: Number = Field(None, description="EMA of the cosine between the row's successive updates (-1: every "
                                 "update reverses the last one).")
@@ -112,8 +124,8 @@ class EmbeddingRow(_Model):
 class ConflictedRow(_Model):
     """A row whose data has pulled it harder than its peers' over the run (EmbeddingSummary.conflicted)."""
 
-    row: int = Field(ge=0, description="Row index in the table.")
-    touches: int = Field(ge=0, description="Tracked steps in which the row was looked up and got a non-zero gradient.")
+    row: Count = Field(description="Row index in the table.")
+    touches: Count = Field(description="Tracked steps in which the row was looked up and got a non-zero gradient.")
     noise: Number = Field(None, description="The row's gradient energy per lookup over the median row's, now "
                           "(EmbeddingRow.noise).")
     run_noise: Number = Field(None, description="The geometric mean of the row's noise at the reports that found it "
@@ -126,23 +138,23 @@ class ConflictedRow(_Model):
                               "averaged over the run, at its highest once 10 reports had read the row: how far "
                               "above its peers the row has stood, comparable across tables, and not worn down by "
                               "the epochs in which the model memorises the conflict. The list is ranked by it.")
-    reports: int = Field(0, ge=0, description="Reports run_noise and run_score average over.")
+    reports: Count = Field(0, description="Reports run_noise and run_score average over.")
 
 
 class EmbeddingSummary(_Model):
     """Per-table summary of the embeddings collection, with the worst rows of each kind."""
 
-    rows: int = Field(ge=0)
-    dim: int = Field(ge=0)
-    sparse: bool = Field(False, description="The table's gradients were sparse.")
-    tracked_steps: int = Field(0, ge=0, description="Steps the collection tracked the table since the probe attached.")
-    touched_rows: int = Field(0, ge=0, description="Rows updated at least once.")
-    window_touched_rows: int = Field(0, ge=0, description="Rows updated since the previous report.")
-    never_updated: int = Field(0, ge=0, description="Finite rows never updated (padding_idx excluded).")
-    nonfinite_rows: int = Field(0, ge=0, description="Rows holding NaN or Inf (never counted as dead).")
+    rows: Count
+    dim: Count
+    sparse: Flag = Field(False, description="The table's gradients were sparse.")
+    tracked_steps: Count = Field(0, description="Steps the collection tracked the table since the probe attached.")
+    touched_rows: Count = Field(0, description="Rows updated at least once.")
+    window_touched_rows: Count = Field(0, description="Rows updated since the previous report.")
+    never_updated: Count = Field(0, description="Finite rows never updated (padding_idx excluded).")
+    nonfinite_rows: Count = Field(0, description="Rows holding NaN or Inf (never counted as dead).")
     median_touches: Number = Field(None, description="Median touches among rows updated at least once.")
-    eligible_rows: int = Field(0, ge=0, description="Rows touched often enough for their direction statistics to count.")
-    negative_consistency_rows: int = Field(0, ge=0, description="Eligible rows whose updates reverse on average.")
+    eligible_rows: Count = Field(0, description="Rows touched often enough for their direction statistics to count.")
+    negative_consistency_rows: Count = Field(0, description="Eligible rows whose updates reverse on average.")
     noise_spread: Number = Field(None, description="Spread of the eligible rows' log energy per lookup above the "
                                  "median: 1.4826 x the median ln(noise) of the table's sampled rows above the median "
                                  "row (a robust standard deviation of the side zombie_embedding reads: how many rows of "
@@ -155,7 +167,7 @@ class EmbeddingSummary(_Model):
                                  "row by chance).")
     effective_rank: Number = Field(None, description="exp(entropy of normalised singular values) of sampled rows.")
     mean_cosine: Number = Field(None, description="Mean pairwise cosine of sampled rows.")
-    sampled_rows: int = Field(0, ge=0, description="Rows sampled for effective_rank and mean_cosine.")
+    sampled_rows: Count = Field(0, description="Rows sampled for effective_rank and mean_cosine.")
     zombies: list[EmbeddingRow] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
                                         description="Eligible rows with the highest zombie score (ln(noise) - "
                                         "consistency: noisy and reversing), worst first: the worst 32, and every "
@@ -169,14 +181,14 @@ class EmbeddingSummary(_Model):
                                             "zombies say which rows fight their data now, these say which rows' data "
                                             "has disagreed all along: a data problem (conflicting or corrupted "
                                             "labels) the model may have memorised since.")
-    dead_ids: list[int] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
+    dead_ids: list[Count] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
                                 description="Finite rows never updated, lowest ids first.")
-    nonfinite_ids: list[int] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS)
+    nonfinite_ids: list[Count] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS)
     tied_to: list[TensorName] = Field(default_factory=list, max_length=MAX_EMBEDDING_ROWS,
                                       description="Parameters of other modules that are this table's weight (weight "
                                       "tying, e.g. an output projection): through them every row learns, looked up "
                                       "or not, so a row never looked up is not one that never learns.")
-    learns_outside_lookups: bool = Field(False, description="Rows not looked up in a step had a gradient: the weight "
+    learns_outside_lookups: Flag = Field(False, description="Rows not looked up in a step had a gradient: the weight "
                                          "also learns outside the table's lookups (an output matrix, as in a full "
                                          "softmax over its ids, or a functional call), so a row never looked up is "
                                          "not one that never learns. Checked on the rows a report lists as never "
@@ -187,14 +199,14 @@ class StatRow(_Model):
     """Statistics of one tensor at one step. Fields a collection does not compute are null/absent."""
 
     name: TensorName
-    numel: int | None = Field(None, ge=0)
+    numel: Count | None = None
     norm: Number = None
     mean: Number = None
     std: Number = None
     min: Number = None
     max: Number = None
-    nan_count: int | None = Field(None, ge=0)
-    inf_count: int | None = Field(None, ge=0)
+    nan_count: Count | None = None
+    inf_count: Count | None = None
     zero_frac: Number = None
     dead_frac: Number = Field(None, description="Activations: fraction of units zero for the whole batch (ReLU family).")
     saturated_frac: Number = Field(None, description="Activations: fraction of outputs within 1% of a tanh/sigmoid bound.")
@@ -247,8 +259,8 @@ class Span(_Model):
                                          "or a user's own span name.")
     category: Literal["step", "phase", "comm", "user"] = "phase"
     start: Time = Field(description="Wall-clock start (Unix seconds), comparable across ranks and hosts.")
-    duration: float = Field(ge=0, allow_inf_nan=False, description="Seconds.")
-    gpu_duration: float | None = Field(None, ge=0, allow_inf_nan=False,
+    duration: float = Field(ge=0, allow_inf_nan=False, strict=True, description="Seconds.")
+    gpu_duration: float | None = Field(None, ge=0, allow_inf_nan=False, strict=True,
                                        description="Seconds of GPU work, timed with CUDA events, where present.")
 
 
@@ -268,7 +280,7 @@ class OpStat(_Model):
     """One operator of a torch.profiler capture, aggregated over the captured steps."""
 
     name: str = Field(max_length=512)
-    calls: int = Field(ge=0)
+    calls: Count
     cpu_time_ms: Finite = Field(description="Total CPU time, children included.")
     self_cpu_time_ms: Finite
     device_time_ms: Finite = 0.0
@@ -280,8 +292,8 @@ class OpStat(_Model):
 class ModuleShape(_Model):
     module: TensorName
     type: str = Field(max_length=128)
-    inputs: list[list[int]] = Field(default_factory=list, max_length=64)
-    outputs: list[list[int]] = Field(default_factory=list, max_length=64)
+    inputs: list[list[Count]] = Field(default_factory=list, max_length=64)
+    outputs: list[list[Count]] = Field(default_factory=list, max_length=64)
 
 
 class CaptureResult(_Model):
@@ -294,7 +306,7 @@ class CaptureResult(_Model):
     last_step: Step
     status: Literal["done", "failed"] = "done"
     reason: str | None = Field(None, max_length=2000)
-    profiled: bool = False
+    profiled: Flag = False
     ops: list[OpStat] = Field(default_factory=list, max_length=500)
     shapes: list[ModuleShape] = Field(default_factory=list, max_length=10000)
     trace: str | None = Field(None, max_length=MAX_TRACE_CHARS,
@@ -306,8 +318,8 @@ class LayerProfile(_Model):
     """One weight's loss increase at each sparsity of a grid, whole output channels, and each cast."""
 
     name: TensorName
-    numel: int = Field(ge=0)
-    shape: list[int] = Field(default_factory=list, max_length=16)
+    numel: Count
+    shape: list[Count] = Field(default_factory=list, max_length=16)
     method: str = Field("", max_length=64, description="obs-kfac, obd-diagonal or magnitude: how weights were chosen.")
     fisher_mean: Number = None
     saliency_mean: Number = Field(None, description="Mean predicted loss increase per weight removed alone.")
@@ -324,7 +336,7 @@ class LayerProfiles(_Model):
     step: Step
     time: Time
     source: Literal["fisher", "held_batch"]
-    samples: int = Field(0, ge=0, description="Fisher samples averaged (source fisher).")
+    samples: Count = Field(0, description="Fisher samples averaged (source fisher).")
     base_loss: Number = Field(None, description="Held-batch loss of the unchanged model (source held_batch).")
     layers: list[LayerProfile] = Field(max_length=MAX_ROWS_PER_EVENT)
 
@@ -334,13 +346,13 @@ class TensorSlice(_Model):
 
     name: TensorName
     source: Literal["parameter", "gradient", "activation"]
-    shape: list[int] = Field(max_length=16)
+    shape: list[Count] = Field(max_length=16)
     dtype: str = Field(max_length=32)
-    numel: int = Field(ge=0)
-    offset: int = Field(0, ge=0, description="Index in the flattened tensor of values[0] (centred on the first NaN/Inf).")
+    numel: Count
+    offset: Count = Field(0, description="Index in the flattened tensor of values[0] (centred on the first NaN/Inf).")
     values: list[Number] = Field(default_factory=list, max_length=1024)
-    nan_count: int = Field(0, ge=0)
-    inf_count: int = Field(0, ge=0)
+    nan_count: Count = 0
+    inf_count: Count = 0
 
 
 class TensorSnapshot(_Model):
@@ -373,8 +385,8 @@ class IngestBatch(_Model):
 
     batch_id: str = Field(pattern=r"^[A-Za-z0-9_\-]{8,64}$")
     run: RunId
-    seq: int = Field(ge=0, description="Order of this batch within the probe's stream.")
-    rank: int = Field(0, ge=0, description="The sending process's rank (RANK under torchrun); 0 for one process.")
+    seq: Count = Field(description="Order of this batch within the probe's stream.")
+    rank: Rank = Field(0, description="The sending process's rank (RANK under torchrun); 0 for one process.")
     events: list[Event] = Field(max_length=MAX_EVENTS_PER_BATCH)
 
 
@@ -386,7 +398,7 @@ class Command(_Model):
     op: Literal["apply", "revert", "snapshot"] = "apply"
     action: FixAction | None = Field(None, description="The fix action; null for a snapshot.")
     params: Params = Field(default_factory=dict)
-    attempt: int = Field(1, ge=1, description="How many times this op of this fix has been asked for: a job "
+    attempt: int = Field(1, ge=1, le=INT64_MAX, description="How many times this op of this fix has been asked for: a job "
                          "that answered an earlier attempt (a refusal) takes a later one as a new request.")
 
 
@@ -399,7 +411,7 @@ class CaptureCommand(_Model):
 
 
 class IngestReply(_Model):
-    accepted: int = Field(ge=0, description="Events stored from this batch (0 for a duplicate).")
+    accepted: int = Field(ge=0, le=INT64_MAX, description="Events stored from this batch (0 for a duplicate).")
     duplicate: bool = False
     commands: list[Command] = Field(default_factory=list)
     captures: list[CaptureCommand] = Field(default_factory=list)

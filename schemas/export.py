@@ -4,7 +4,7 @@
 ``python -m schemas.export --check`` lists drift between them and the models and exits 1.
 
 The XSD is built by walking the JSON Schema (one method per kind of schema node), and
-``diag_server.xml.to_xml`` renders an instance by walking the same JSON Schema with the same ``shape``
+``diag_server.api.xml.to_xml`` renders an instance by walking the same JSON Schema with the same ``shape``
 and ``split_null``, so a rendered document and the XSD cannot follow different rules. The rules:
 
 - One global element per top-level model, named like the model class (``<Anomaly>``), of the complex type
@@ -97,7 +97,7 @@ def schema_for(model_name: str) -> dict[str, Any]:
     return {"$schema": JSON_SCHEMA_DIALECT, "$id": SCHEMA_ID, "$ref": f"#/$defs/{model_name}", "$defs": doc["$defs"]}
 
 
-# --- How a JSON Schema node maps to XML (shared with diag_server.xml) --------------------------------
+# --- How a JSON Schema node maps to XML (shared with diag_server.api.xml) --------------------------------
 
 
 def split_null(node: dict[str, Any]) -> tuple[bool, dict[str, Any]]:

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .enums import AnomalyKind, AnomalyStatus, FixAction, FixStatus, Severity
-from .events import MAX_EMBEDDING_ROWS, EmbeddingSummary, Finite, Number, Params, RunId, TensorSlice, Time
+from .events import (INT64_MAX, MAX_EMBEDDING_ROWS, MAX_STEP, MAX_WORLD_SIZE, EmbeddingSummary, Params, RunId,
+                     TensorSlice)
+
+# What the server answers is built by the server from what it stored, so the integers carry the wire's
+# ranges (events.py) without its strictness.
+StepNo = Annotated[int, Field(ge=0, le=MAX_STEP)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Rank = Annotated[int, Field(ge=0, le=MAX_WORLD_SIZE - 1)]
+Number = Annotated[float | None, Field(description="A finite number, or null when the value was NaN or infinite.")]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Time = Annotated[float, Field(allow_inf_nan=False, ge=0, description="Unix time in seconds.")]
 
 
 class _Record(BaseModel):
@@ -20,9 +30,9 @@ class Anomaly(_Record):
     kind: AnomalyKind
     severity: Severity
     status: AnomalyStatus
-    first_step: int = Field(ge=0)
-    last_step: int = Field(ge=0)
-    resolved_step: int | None = None
+    first_step: StepNo
+    last_step: StepNo
+    resolved_step: StepNo | None = None
     tensors: list[str] = Field(default_factory=list, description="Tensors involved, in forward order.")
     message: str = Field(description="One sentence a person can act on.")
     evidence: Params = Field(default_factory=dict, description="The numbers that triggered it.")
@@ -36,9 +46,9 @@ class Anomaly(_Record):
 class AnomalyPage(_Record):
     run: RunId
     anomalies: list[Anomaly]
-    total: int = Field(description="Matching anomalies, before paging.")
-    offset: int = 0
-    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
+    total: Count = Field(description="Matching anomalies, before paging.")
+    offset: Count = 0
+    next_offset: Count | None = Field(None, description="Pass as offset for the next page; null on the last.")
 
 
 class Fix(_Record):
@@ -51,14 +61,14 @@ class Fix(_Record):
     expected_effect: str = ""
     risk: Literal["low", "medium", "high"] = "low"
     live: bool = Field(True, description="Can be applied to the running job (false: needs a restart).")
-    rank: int = Field(1, ge=1, description="1 is the best candidate for its anomaly.")
+    rank: int = Field(1, ge=1, le=INT64_MAX, description="1 is the best candidate for its anomaly.")
     status: FixStatus
     reason: str | None = Field(None, description="Why it was rejected, failed, expired or judged.")
     requested_by: str | None = None
     created_at: Time
     updated_at: Time
-    applied_step: int | None = None
-    scheduled_step: int | None = Field(None, description="While pending in a multi-rank job: the step its ranks "
+    applied_step: StepNo | None = None
+    scheduled_step: StepNo | None = Field(None, description="While pending in a multi-rank job: the step its ranks "
                                        "agreed to apply (or revert) it after; the answer follows then.")
     before: Params = Field(default_factory=dict)
     after: Params = Field(default_factory=dict)
@@ -88,11 +98,11 @@ class Run(_Record):
     status: Literal["active", "ended", "stale"]
     created_at: Time
     last_seen: Time
-    last_step: int
+    last_step: StepNo
     device: str = ""
-    total_params: int = 0
+    total_params: Count = 0
     allow: list[FixAction] = Field(default_factory=list)
-    open_anomalies: int = 0
+    open_anomalies: Count = 0
 
 
 class RunList(_Record):
@@ -104,25 +114,25 @@ class RunMessage(_Record):
     skipped a hook, the run's rule settings were ignored, the job ended without closing its probe, on an
     uncaught exception or killed by a signal."""
 
-    step: int
+    step: StepNo
     time: Time
     level: Literal["info", "warning", "error"]
     text: str
-    rank: int = 0
+    rank: Rank = 0
 
 
 class RunSummary(_Record):
     run: Run
     latest: dict[str, Number] = Field(default_factory=dict, description="Latest value of each scalar.")
-    anomalies_by_kind: dict[str, int] = Field(default_factory=dict, description="Open anomalies per kind.")
-    fixes_by_status: dict[str, int] = Field(default_factory=dict)
+    anomalies_by_kind: dict[str, Count] = Field(default_factory=dict, description="Open anomalies per kind.")
+    fixes_by_status: dict[str, Count] = Field(default_factory=dict)
     messages: list[RunMessage] = Field(default_factory=list,
                                        description="The run's latest messages (at most 20), oldest first.")
-    messages_total: int = Field(0, description="Messages the run has sent in all.")
+    messages_total: Count = Field(0, description="Messages the run has sent in all.")
 
 
 class SeriesPoint(_Record):
-    step: int
+    step: StepNo
     value: Number
 
 
@@ -137,9 +147,9 @@ class RunPage(_Record):
     """One page of runs (GET /v1/runs): paging and filters as on every list."""
 
     runs: list[Run]
-    total: int = Field(description="Matching runs, before paging.")
-    offset: int = 0
-    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
+    total: Count = Field(description="Matching runs, before paging.")
+    offset: Count = 0
+    next_offset: Count | None = Field(None, description="Pass as offset for the next page; null on the last.")
 
 
 class FixPage(_Record):
@@ -147,9 +157,9 @@ class FixPage(_Record):
 
     run: RunId
     fixes: list[Fix]
-    total: int = Field(description="Matching fixes, before paging.")
-    offset: int = 0
-    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
+    total: Count = Field(description="Matching fixes, before paging.")
+    offset: Count = 0
+    next_offset: Count | None = Field(None, description="Pass as offset for the next page; null on the last.")
 
 
 class AuditPage(_Record):
@@ -157,9 +167,9 @@ class AuditPage(_Record):
 
     run: RunId
     entries: list[AuditEntry]
-    total: int = Field(description="Matching entries, before paging.")
-    offset: int = 0
-    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
+    total: Count = Field(description="Matching entries, before paging.")
+    offset: Count = 0
+    next_offset: Count | None = Field(None, description="Pass as offset for the next page; null on the last.")
 
 
 class SeriesSet(_Record):
@@ -177,7 +187,7 @@ class Heatmap(_Record):
     collection: str
     field: str
     tensors: list[str]
-    steps: list[int]
+    steps: list[StepNo]
     values: list[list[Number]]
     downsampled: bool = False
 
@@ -185,7 +195,7 @@ class Heatmap(_Record):
 class HistoryEntry(_Record):
     """One mark on the run's timeline: an anomaly began or cleared, a fix was proposed, applied, judged."""
 
-    step: int = Field(ge=0)
+    step: StepNo
     time: Time
     type: Literal["anomaly", "resolved", "fix", "verdict"]
     ref: str = Field(description="The anomaly id ('a-3') or fix id ('f-5') it is about.")
@@ -199,32 +209,32 @@ class RunHistory(_Record):
 
     run: RunId
     entries: list[HistoryEntry]
-    total: int = Field(description="Matching entries, before paging.")
-    offset: int = 0
-    next_offset: int | None = Field(None, description="Pass as offset for the next page; null on the last.")
+    total: Count = Field(description="Matching entries, before paging.")
+    offset: Count = 0
+    next_offset: Count | None = Field(None, description="Pass as offset for the next page; null on the last.")
 
 
 class LayerRecipe(_Record):
     name: str = Field(description="Parameter tensor name.")
-    numel: int
+    numel: Count
     sparsity: float = Field(ge=0.0, le=1.0)
     structure: Literal["unstructured", "channels"] = "unstructured"
     precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
     saliency: Number = Field(None, description="Mean Fisher-weighted saliency per weight (w^2 * F).")
     reason: str
-    size_bytes: int | None = Field(None, ge=0, description="Predicted stored size: kept values + bitmask.")
+    size_bytes: Count | None = Field(None, description="Predicted stored size: kept values + bitmask.")
     loss_increase: Number = Field(None, description="Predicted loss increase of this layer's sparsity and cast.")
 
 
 class CompressionRecipe(_Record):
     run: RunId
     target_sparsity: float | None = Field(None, ge=0.0, lt=1.0)
-    target_size_bytes: int | None = Field(None, ge=0, description="Size budget, when the target was a size.")
+    target_size_bytes: Count | None = Field(None, description="Size budget, when the target was a size.")
     achieved_sparsity: Finite
     method: str
     layers: list[LayerRecipe]
-    dense_size_bytes: int
-    predicted_size_bytes: int
+    dense_size_bytes: Count
+    predicted_size_bytes: Count
     predicted_loss_increase: Number = None
     notes: list[str] = Field(default_factory=list)
 
@@ -232,7 +242,7 @@ class CompressionRecipe(_Record):
 class Cause(_Record):
     anomaly_id: str
     kind: AnomalyKind
-    step: int
+    step: StepNo
     tensor: str | None = None
     explanation: str
     consequences: list[str] = Field(default_factory=list, description="Ids of anomalies this one explains.")
@@ -255,8 +265,8 @@ class Health(_Record):
     schema_version: str
     data_dir: str
     store: str = Field("ok", description="SQLite 'PRAGMA quick_check' of the store at start: 'ok', or what is wrong.")
-    data_bytes: int | None = Field(None, description="Size of the data directory now.")
-    max_data_bytes: int | None = Field(None, description="The data directory's size cap (null: none).")
+    data_bytes: Count | None = Field(None, description="Size of the data directory now.")
+    max_data_bytes: Count | None = Field(None, description="The data directory's size cap (null: none).")
     warnings: list[str] = Field(default_factory=list, description="What needs a person's attention (store, disk).")
 
 
@@ -271,18 +281,18 @@ class Error(_Record):
 class RankInfo(_Record):
     """One process of a (possibly distributed) run, with its median phase times over recent samples."""
 
-    rank: int = Field(ge=0)
-    local_rank: int = Field(0, ge=0)
+    rank: Rank
+    local_rank: Rank = 0
     host: str = ""
-    world_size: int = Field(1, ge=1)
-    last_step: int = 0
+    world_size: int = Field(1, ge=1, le=MAX_WORLD_SIZE)
+    last_step: StepNo = 0
     ended: bool = False
     phases: dict[str, Number] = Field(default_factory=dict, description="Median seconds per phase, recent samples.")
 
 
 class TimelineSpan(_Record):
-    rank: int = Field(ge=0)
-    step: int = Field(ge=0)
+    rank: Rank
+    step: StepNo
     mode: str = "train"
     name: str
     category: Literal["step", "phase", "comm", "user"]
@@ -302,7 +312,7 @@ class Timeline(_Record):
 
 class OpSummary(_Record):
     name: str
-    calls: int
+    calls: Count
     cpu_time_ms: Finite
     self_cpu_time_ms: Finite
     device_time_ms: Finite = 0.0
@@ -314,16 +324,16 @@ class OpSummary(_Record):
 class ShapeInfo(_Record):
     module: str
     type: str
-    inputs: list[list[int]] = Field(default_factory=list)
-    outputs: list[list[int]] = Field(default_factory=list)
+    inputs: list[list[Count]] = Field(default_factory=list)
+    outputs: list[list[Count]] = Field(default_factory=list)
 
 
 class CaptureRank(_Record):
-    rank: int = Field(ge=0)
+    rank: Rank
     status: Literal["done", "failed"]
     reason: str | None = None
-    first_step: int
-    last_step: int
+    first_step: StepNo
+    last_step: StepNo
     profiled: bool = False
     ops: list[OpSummary] = Field(default_factory=list, description="Operators by total CPU (or device) time.")
     shapes: list[ShapeInfo] = Field(default_factory=list)
@@ -336,7 +346,7 @@ class Capture(_Record):
     run: RunId
     status: Literal["pending", "partial", "done", "expired"] = Field(
         description="pending: sent, no rank has finished; partial: some ranks have; done: every rank has.")
-    steps: int
+    steps: Count
     profile: bool
     requested_by: str | None = None
     created_at: Time
@@ -353,8 +363,8 @@ class EmbeddingTable(_Record):
     """One embedding table as its latest report described it (the embeddings collection)."""
 
     name: str = Field(description="The table's parameter, e.g. 'item.weight'.")
-    rank: int = Field(0, ge=0, description="The process that reported it (0 in a one-process run).")
-    step: int = Field(ge=0, description="The step of the report.")
+    rank: Rank = Field(0, description="The process that reported it (0 in a one-process run).")
+    step: StepNo = Field(description="The step of the report.")
     summary: EmbeddingSummary = Field(description="Counts, collapse statistics and the worst rows of each kind, "
                                       "each list cut to the request's ``rows``.")
 

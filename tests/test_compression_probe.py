@@ -13,9 +13,9 @@ import torch
 from lxml import etree
 
 import probes
-from diag_server.compress import load_compressed, pack, serialized_size, unpack
-from diag_server.compression import plan
-from diag_server.xml import to_xml, xsd_schema
+from diag_server.compression.offline import load_compressed, pack, serialized_size, unpack
+from diag_server.compression.recipe import plan
+from diag_server.api.xml import to_xml, xsd_schema
 from probes.fisher import find
 from schemas import export
 from schemas.events import LayerProfiles

@@ -12,7 +12,7 @@ from lxml import etree
 from agent_examples.scripted_agent import connect
 
 import probes
-from diag_server.xml import xsd_schema
+from diag_server.api.xml import xsd_schema
 from probes.fisher import find
 from schemas import export
 

@@ -169,7 +169,7 @@ def test_healthy_multi_rank_runs_raise_nothing(jobs: ServerProcess) -> None:
     assert found == [], [a["message"] for a in found]
     # The 2-rank job was captured: the profiler really does slow its steps and grow its memory, which the
     # single-process rules may say on rank 0; no cross-rank rule may blame a rank for it.
-    from diag_server.fixes_distributed import RULES
+    from diag_server.fixes.distributed import RULES
 
     found = [a for a in _anomalies(jobs, "torchrun-cap2") if a["rule"] in RULES]
     assert found == [], [a["message"] for a in found]
@@ -346,7 +346,7 @@ def test_timeline_exports_a_valid_chrome_trace_whose_spans_line_up(jobs: ServerP
 def test_an_agent_reads_the_ranks_phases_over_mcp_and_people_get_xml(jobs: ServerProcess) -> None:
     from lxml import etree
 
-    from diag_server.xml import xsd_schema
+    from diag_server.api.xml import xsd_schema
     from agent_examples.scripted_agent import connect
 
     async def read() -> dict:

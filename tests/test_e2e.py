@@ -46,11 +46,12 @@ def test_mcp_over_streamable_http_finds_and_fixes_the_fault(server):
     job.join(120)
     out = res["outcome"]
     assert out.fix is not None, out.log
-    # The top proposal restores the learning rate the run was healthy at.
-    assert out.fix["action"] == "set_lr" and out.fix["params"] == {"lr": 0.01}
-    assert out.fix["before"] == {"lr": [0.1]} and out.fix["after"] == {"lr": [0.01]}
-    assert out.fix["applied_step"] >= 300
-    assert out.verdict == "effective"
+    # The top proposal undoes the damage and the cause: back to a snapshot from before the rise, at the rate
+    # the run was healthy at.
+    assert out.fix["action"] == "rollback" and out.fix["params"] == {"before_step": 291, "lr": 0.01}
+    assert out.fix["before"]["lr"] == [0.1] and out.fix["after"]["lr"] == [0.01]
+    assert out.fix["after"]["restored_step"] < 300 <= out.fix["applied_step"]
+    assert out.verdict == "effective" and "back near its level before the fault" in out.fix["reason"]
     assert res["page"]["total"] >= 1 and all(a["kind"] == "loss_divergence" for a in res["page"]["anomalies"])
     assert 0.45 < res["recipe"]["achieved_sparsity"] < 0.55
     # The job recovered: its final loss is back near where it was before the fault.
@@ -72,7 +73,7 @@ def test_mcp_over_stdio_reads_the_same_store(server):
     job.join(120)
     out = res["outcome"]
     assert out.fix is not None and out.fix["status"] in ("applied", "effective"), out.log
-    assert out.fix["after"] == {"lr": [0.01]}
+    assert out.fix["after"]["lr"] == [0.01]
 
 
 def test_a_read_only_job_rejects_fixes(server):

@@ -109,13 +109,14 @@ def test_nonfinite_rolls_back_to_before_the_first_bad_step(store):
     assert "skip_nonfinite" in [f.action.value for f in proposals]
 
 
-def test_nonfinite_after_a_learning_rate_rise_restores_the_rate_first(store):
+def test_nonfinite_after_a_learning_rate_rise_rolls_back_to_before_the_rise_with_the_old_rate(store):
+    """NaN weights cannot be repaired by a rate: the rollback comes first and carries the rate from before
+    the rise (a rollback that kept the risen rate would blow up again: 0 of 2 such runs recovered)."""
     _run(store)
     _series(store, "lr/group0", [(s, 0.01) for s in range(0, 200, 10)] + [(s, 1.0) for s in range(200, 260, 10)])
     a = _anomaly(store, "nonfinite", {"first_step": 230}, first_step=230, last_step=250)
-    first, second = _propose(store, a)[:2]
-    assert (first.action.value, first.params) == ("set_lr", {"lr": 0.01})
-    assert second.action.value == "rollback"
+    first = _propose(store, a)[0]
+    assert (first.action.value, first.params) == ("rollback", {"before_step": 191, "lr": 0.01})
 
 
 def test_divergence_after_a_learning_rate_rise_rolls_back_with_the_old_settings(store):
@@ -124,7 +125,8 @@ def test_divergence_after_a_learning_rate_rise_rolls_back_with_the_old_settings(
     a = _anomaly(store, "loss_divergence", {"loss_median": 4.0, "best": 0.07, "ratio": 57.0}, first_step=220,
                  last_step=240)
     roll, set_lr = _propose(store, a)[:2]
-    assert (roll.action.value, roll.params) == ("rollback", {"before_step": 220, "lr": 0.01})
+    # To before the rise (the rate is sampled every 10 steps: step 191 is the first that may have had it).
+    assert (roll.action.value, roll.params) == ("rollback", {"before_step": 191, "lr": 0.01})
     assert (set_lr.action.value, set_lr.params) == ("set_lr", {"lr": 0.01})  # what to do without a snapshot
     _run(store, allow=("set_lr",))  # a job that keeps no snapshots gets set_lr first
     assert _propose(store, a)[0].action.value == "set_lr"
@@ -209,17 +211,15 @@ def test_unchanged_tensor_unfreezes_and_says_whether_it_was_frozen(store):
     assert "model.parameters()" in advice.params["instructions"] and "model[2]" in advice.params["instructions"]
 
 
-def test_vanishing_gradient_is_advice_under_adam(store):
-    _run(store, optimizer="Adam")
-    a = _anomaly(store, "vanishing_gradient", {"first_last_ratio": 1e-8, "rms_gradient": 1e-6, "first": "0.weight",
-                                               "last": "4.weight", "ratio_threshold": 1e-3}, tensors=["0.weight"])
-    proposals = _propose(store, a)
-    assert [f.action.value for f in proposals] == ["advice"]  # gradient scaling does nothing under Adam
-    _run(store, optimizer="SGD", allow=("grad_scale",))
-    b = _anomaly(store, "vanishing_gradient", {"first_last_ratio": 1e-4, "ratio_threshold": 1e-3},
-                 tensors=["0.weight"])
-    top = _propose(store, b)[0]
-    assert top.action.value == "grad_scale" and top.params == {"pattern": ["0.weight"], "factor": 10.0}
+def test_vanishing_gradient_is_advice_only_since_no_live_fix_helps(store):
+    """Measured: scaling the starved layers' gradients (47-100x) or raising the rate left 6-12-layer sigmoid
+    MLPs at chance, exactly where the run without a fix ended; so nothing is proposed live, and it says so."""
+    for optimizer in ("Adam", "SGD"):
+        _run(store, optimizer=optimizer, allow=("grad_scale", "set_lr", "lr_scale"))
+        a = _anomaly(store, "vanishing_gradient", {"first_last_ratio": 1e-4, "ratio_threshold": 1e-3,
+                                                   "first": "0.weight", "last": "4.weight"}, tensors=["0.weight"])
+        (only,) = _propose(store, a)
+        assert only.action.value == "advice" and "No live fix helps here" in only.rationale
 
 
 @pytest.mark.parametrize("kind,needle", [("dataloader_bottleneck", "num_workers"),
@@ -271,7 +271,7 @@ def test_a_fix_the_ranks_scheduled_is_waited_for_until_their_step(store):
 def test_a_refused_fix_asked_for_again_goes_out_again_as_a_new_attempt(store):
     """Before, the job's answer to the first request stayed on record and the command was never sent again:
     asked for again after a refusal, a fix only expired."""
-    from diag_server import ranks
+    from diag_server.pipeline import ranks
     from diag_server.ingest import _apply_ack
     from schemas.events import FixAck
 

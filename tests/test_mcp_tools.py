@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from mcp import Client
 
-from diag_server.services import Services, Settings
-from diag_server.tools import build_mcp
+from diag_server.pipeline.services import Services, Settings
+from diag_server.api.mcp import build_mcp
 
 
 @pytest.fixture
@@ -69,3 +69,33 @@ def test_descriptions_read_cleanly(mcp_server):
             return (await c.list_tools()).tools
     for t in run(go()):
         assert "\n " not in t.description and t.description == t.description.strip(), t.name
+
+
+def test_a_tool_refuses_an_argument_it_does_not_take(mcp_server):
+    """The SDK drops unknown arguments; a write must not run on a call that meant something else."""
+    async def go():
+        async with Client(mcp_server) as c:
+            return await c.call_tool("apply_fix", {"run": "r", "fix_id": "f-1", "dry_run": True})
+    res = run(go())
+    assert res.is_error and res.content[0].text.startswith("invalid_arguments: apply_fix does not take 'dry_run'")
+
+
+def test_every_integer_argument_has_a_range(mcp_server):
+    async def go():
+        async with Client(mcp_server) as c:
+            return (await c.list_tools()).tools
+
+    def integers(node):
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                yield node
+            for v in node.values():
+                yield from integers(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from integers(v)
+
+    found = [(t.name, n) for t in run(go()) for n in integers(t.input_schema)]
+    assert len(found) >= 10
+    for name, node in found:
+        assert "maximum" in node and ("minimum" in node or "exclusiveMinimum" in node), (name, node)

@@ -28,8 +28,8 @@ class InProcessServer:
     """A probe sink that is the server: each batch is ingested and the rules run on it; the fixes applied
     ride back on the reply, as they do over HTTP."""
 
-    def __init__(self, store, kind: str) -> None:
-        self.store, self.engine, self.kind = store, Engine(), kind
+    def __init__(self, store, kind: str, action: str | None = None) -> None:
+        self.store, self.engine, self.kind, self.action = store, Engine(), kind, action
         self.applied: list[dict] = []
 
     def send(self, batch: dict) -> dict:
@@ -47,6 +47,8 @@ class InProcessServer:
 
     def _act(self, run: str, anomaly_id: str) -> None:
         live = [f for f in fixes.propose(self.store, run, anomaly_id, "test").fixes if f.live]
+        if self.action is not None:  # a given action, as a person who picked it would apply it
+            live = [f for f in live if f.action.value == self.action]
         chosen = [live[0]]
         if live[0].action.value in GUARDS:
             chosen += [f for f in live[1:] if f.action.value == "rollback"][:1]

@@ -14,7 +14,7 @@ from lxml import etree
 from pydantic import BaseModel
 
 import schemas
-from diag_server.xml import to_xml, xsd_schema
+from diag_server.api.xml import to_xml, xsd_schema
 from schemas import events, export, records
 from schemas import (
     Anomaly, AnomalyKind, AnomalyPage, AnomalyStatus, AuditEntry, AuditTrail, Cause, Collection, Command,

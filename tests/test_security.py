@@ -1,4 +1,5 @@
-"""Nobody let in: the token on every route, Host/Origin checks, loopback by default, the job's own bounds."""
+"""Nobody let in: the token on every route, Host/Origin checks (scheme, host and port) on every route and
+/mcp, the dashboard's cookie, loopback by default, the job's own bounds."""
 
 from __future__ import annotations
 
@@ -70,16 +71,116 @@ def test_the_dashboard_link_sets_a_cookie_that_authorizes(srv) -> None:  # noqa:
         assert c.get("/v1/runs").status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/v1/runs", "/mcp", "/health"])
-def test_dns_rebinding_and_cross_site_requests_are_refused(srv, path: str) -> None:  # noqa: ANN001
-    method = "POST" if path == "/mcp" else "GET"
-    evil_host = httpx.request(method, srv.url + path, headers={**srv.headers, "host": f"evil.example:{srv.port}"})
-    assert evil_host.status_code == 421 and evil_host.json()["error"] == "invalid_host"
-    evil_origin = httpx.request(method, srv.url + path, headers={**srv.headers, "origin": "http://evil.example"})
-    assert evil_origin.status_code == 403 and evil_origin.json()["error"] == "invalid_origin"
-    same = httpx.get(f"{srv.url}/health", headers={"origin": f"http://localhost:{srv.port}",
-                                                     "host": f"localhost:{srv.port}"})
-    assert same.status_code == 200
+def _lookalikes(port: int) -> tuple[list[str], list[str]]:
+    """Hosts and Origins that are not this server: its names at other ports, look-alike names, other
+    schemes, ``null``. (Each would pass a check that compares host names only, or prefixes.)"""
+    other = 1 if port != 1 else 2
+    hosts = [f"localhost:{other}", "127.0.0.1:1", f"[::1]:{other}", f"127.0.0.1.evil.com:{port}",
+             f"localhost.attacker:{port}", f"evil.example:{port}", "localhost", "127.0.0.1", f"127.0.0.1:{port}0",
+             f"127.0.0.1:{port}.evil.com", f"localhost:{port}@evil.example", ""]
+    origins = [f"http://localhost:{other}", "http://127.0.0.1:1", f"http://[::1]:{other}",
+               f"http://127.0.0.1.evil.com:{port}", f"http://localhost.attacker:{port}", "null",
+               f"https://127.0.0.1:{port}", "http://127.0.0.1", f"http://127.0.0.1:{port}.evil.com",
+               f"http://127.0.0.1:{port}0", "http://evil.example", f"file://127.0.0.1:{port}", ""]
+    return hosts, origins
+
+
+def test_only_this_servers_host_and_origin_get_in_on_every_route(srv) -> None:  # noqa: ANN001
+    """Every route and /mcp, with the bearer token, with the dashboard's cookie and with neither: a Host or
+    an Origin naming anything but this server (scheme, host and port) is refused before the route runs;
+    this server's own names and origins get through to it."""
+    routes = _routes(srv)
+    hosts, origins = _lookalikes(srv.port)
+    good_hosts = [f"127.0.0.1:{srv.port}", f"localhost:{srv.port}", f"LOCALHOST:{srv.port}"]
+    good_origins = [f"http://127.0.0.1:{srv.port}", f"http://localhost:{srv.port}"]
+    auths = {"bearer": {"authorization": f"Bearer {srv.token}"}, "cookie": {"cookie": f"traindx_token={srv.token}"},
+             "none": {}}
+    cases = 0
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        for method, path in routes:
+            body = {"json": {}} if method in ("POST", "PUT") else {}
+            for auth, creds in auths.items():
+                for host in hosts:
+                    r = c.request(method, path, headers={**creds, "host": host}, **body)
+                    cases += 1
+                    assert r.status_code == 421 and r.json()["error"] == "invalid_host", (method, path, auth, host)
+                for origin in origins:
+                    r = c.request(method, path, headers={**creds, "origin": origin}, **body)
+                    cases += 1
+                    assert r.status_code == 403 and r.json()["error"] == "invalid_origin", (method, path, auth, origin)
+            for host in good_hosts:
+                for origin in (None, *good_origins):
+                    headers = {**auths["bearer"], "host": host, **({"origin": origin} if origin else {})}
+                    r = c.request(method, path, headers=headers, **body)
+                    cases += 1
+                    assert r.status_code not in (401, 403, 421), (method, path, host, origin, r.status_code, r.text[:200])
+            # The dashboard's cookie: enough to read; a write needs the Origin a browser always sends with one.
+            r = c.request(method, path, headers={**auths["cookie"], "origin": good_origins[0]}, **body)
+            assert r.status_code not in (401, 403, 421), (method, path, r.status_code)
+            if method not in ("GET", "HEAD") and path != "/health":
+                r = c.request(method, path, headers=auths["cookie"], **body)
+                assert r.status_code == 403 and r.json()["error"] == "invalid_origin", (method, path)
+            cases += 2
+    assert cases > 3000
+    # The SDK's own check on /mcp holds the same list (a second line, behind the middleware).
+    from diag_server.api.security import Authorities, mcp_transport_security
+
+    sdk = mcp_transport_security(Authorities("127.0.0.1", srv.port))
+    assert f"127.0.0.1:{srv.port}" in sdk.allowed_hosts and not any(h.endswith(":*") for h in sdk.allowed_hosts)
+    assert "http://127.0.0.1:1" not in sdk.allowed_origins and "null" not in sdk.allowed_origins
+
+
+def test_a_cross_port_page_cannot_apply_a_fix_with_the_dashboards_cookie(srv) -> None:  # noqa: ANN001
+    """What the issue saw: a page on another local port posting to .../apply with the browser's cookie."""
+    cookie = {"cookie": f"traindx_token={srv.token}"}
+    for origin in (f"http://localhost:{srv.port + 1}", "http://127.0.0.1:1", "null"):
+        r = httpx.post(f"{srv.url}/v1/runs/r/fixes/f-1/apply", headers={**cookie, "origin": origin})
+        assert r.status_code == 403 and r.json()["error"] == "invalid_origin", origin
+        r = httpx.post(f"{srv.url}/mcp", headers={**cookie, "origin": origin, "content-type": "application/json"},
+                       json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+        assert r.status_code == 403, origin
+
+
+def test_configured_hosts_and_origins_are_let_in_exactly(tmp_path: Path) -> None:
+    s = make_server(tmp_path, "--allow-host", "proxy.example", "--allow-host", "tunnel.example:9000",
+                    "--allow-origin", "https://proxy.example")
+    s.start()
+    try:
+        def status(host: str, origin: str | None = None) -> int:
+            headers = {**s.headers, "host": host, **({"origin": origin} if origin else {})}
+            return httpx.get(f"{s.url}/v1/runs", headers=headers).status_code
+
+        assert status("proxy.example") == 200  # a proxy in front forwards its own name, without a port
+        assert status(f"proxy.example:{s.port}") == 200
+        assert status("tunnel.example:9000") == 200
+        assert status("proxy.example", "https://proxy.example") == 200
+        assert status("tunnel.example:9000", "http://tunnel.example:9000") == 200
+        assert status("tunnel.example:9001") == 421 and status("tunnel.example") == 421
+        assert status("proxy.example:9000") == 421
+        assert status("proxy.example", "https://proxy.example:8443") == 403
+        assert status("proxy.example", "http://proxy.example.evil.com") == 403
+    finally:
+        s.stop()
+
+
+def test_a_person_without_the_token_is_told_how_to_open_the_dashboard(srv) -> None:  # noqa: ANN001
+    browser = {"accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}
+    for path in ("/", "/runs/r", "/v1/runs"):
+        page = httpx.get(f"{srv.url}{path}", headers=browser)
+        assert page.status_code == 401 and page.headers["content-type"].startswith("text/html"), path
+        assert "traindx open" in page.text and "?token=" in page.text and srv.token not in page.text
+    script = httpx.get(f"{srv.url}/v1/runs")  # a script still gets the one error shape
+    assert script.status_code == 401 and script.json()["error"] == "unauthorized"
+    r = CliRunner().invoke(main, ["open", "--print-only", "--data", str(srv.data_dir), "--server", srv.url],
+                           env={"TRAINDX_TOKEN": None})
+    assert r.exit_code == 0, r.output
+    link = r.output.strip().splitlines()[-1]
+    assert link == f"{srv.url}/?token={srv.token}"
+    with httpx.Client() as c:
+        assert c.get(link, headers=browser).status_code == 200 and c.cookies.get("traindx_token") == srv.token
+    r = CliRunner().invoke(main, ["open", "--print-only", "--data", str(srv.data_dir / "nowhere")],
+                           env={"TRAINDX_TOKEN": None})
+    assert r.exit_code == 1 and "traindx serve" in r.output
 
 
 def test_read_routes_open_only_when_asked_and_writes_never(tmp_path: Path) -> None:

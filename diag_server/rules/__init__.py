@@ -15,6 +15,7 @@ from .embeddings import DeadEmbedding, EmbeddingCollapse, ZombieEmbedding
 from .gradients import ExplodingGradient, VanishingGradient
 from .loss import LossDivergence, LossNotDecreasing, OscillatingLoss, Overfitting
 from .nonfinite import NonFinite
+from .stall import TrainingStalled
 from .system import DataloaderBottleneck, GpuMemoryFragmentation, MemoryGrowth, StepTimeOutlier
 from .weights import AbnormalUpdateRatio, PoorWeightInit, UnchangedTensor
 
@@ -22,7 +23,7 @@ BUILTIN: list[type[Rule]] = [
     NonFinite, ExplodingGradient, VanishingGradient, DeadRelu, SaturatedActivation, PoorWeightInit,
     AbnormalUpdateRatio, UnchangedTensor, LossNotDecreasing, LossDivergence, OscillatingLoss, Overfitting,
     InputNotNormalized, OutputRangeMismatch, DataloaderBottleneck, StepTimeOutlier, MemoryGrowth,
-    GpuMemoryFragmentation, ZombieEmbedding, DeadEmbedding, EmbeddingCollapse, *DISTRIBUTED,
+    GpuMemoryFragmentation, ZombieEmbedding, DeadEmbedding, EmbeddingCollapse, *DISTRIBUTED, TrainingStalled,
 ]
 
 
