@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -28,17 +27,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.healthy_corpus import MODELS, Result  # noqa: E402
+from benchmarks.healthy_corpus import MODELS, Result
 
 GOAL_ALARMS = 0
 DEEPDIAGNOSIS_HEALTHY_FLAGGED = 0.36  # DeepDiagnosis (ICSE 2022) flags ~36% of healthy models on its own set
 INTERVALS = (100, 10)  # the probe's default, and a short one
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_healthy(model, seed: int, interval: int, url: str, spool: str, run: str) -> tuple[Result, float]:
@@ -63,8 +56,9 @@ def anomalies(url: str, run: str) -> list[dict]:
 def deliver_spooled(url: str, spool: str) -> None:
     """A probe replays what earlier ones in its spool directory could not deliver (a server too busy to answer
     in time, on a loaded machine), whatever their run: one on a tiny model, sending nothing of its own."""
-    import probes
     import torch
+
+    import probes
 
     if any(Path(spool).glob("*.spool")):
         probe = probes.attach(torch.nn.Linear(1, 1), run="healthy-spool-replay", server=url, spool_dir=spool)
@@ -86,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from diag_server.demo import start_server
+    from diag_server.testing import serve
+
     torch.set_num_threads(1)  # the machine is shared; one thread per run keeps runs comparable
     data = tempfile.mkdtemp(prefix="traindx-healthy-")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(data, port)
+    server = serve(os.path.join(data, "data"))
+    url = server.url
     t0 = time.monotonic()
     found: dict[str, list[tuple[str, dict]]] = defaultdict(list)  # model -> (run, anomaly)
     losses: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -122,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 missing.append(f"{run}: the server holds steps up to {last} of {steps}")
             found[name] += [(run, a) for a in anomalies(url, run)]
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
 
     total = sum(runs.values())
     print(f"\nhealthy corpus: {len(models)} models x {len(seeds)} seed(s) x intervals {intervals} = {total} runs, "

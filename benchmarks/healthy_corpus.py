@@ -18,10 +18,10 @@ Data is real and ships with what is installed:
 from __future__ import annotations
 
 import functools
-import math
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ Attach = Callable[[nn.Module, torch.optim.Optimizer], Any]  # attach(model, opt)
 class Model:
     name: str
     what: str
-    train: Callable[[Attach, int], "Result"]  # train(attach, seed)
+    train: Callable[[Attach, int], Result]  # train(attach, seed)
 
 
 @dataclass
@@ -64,6 +64,7 @@ PAD, MASK, CLS = 0, 1, 2
 def topic_tokens() -> dict[str, torch.Tensor]:
     """The ids of each of CPython's pydoc topics, under a BPE trained on all of them."""
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

@@ -20,7 +20,7 @@ from tests.conftest import AUTH, ROOT
 
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.healthy_corpus import BY_NAME  # noqa: E402
+from benchmarks.healthy_corpus import BY_NAME
 
 SLICE = {"late_learner": 2000, "cnn_bn": 400, "bert": 150, "vit": 150}  # model -> steps
 

@@ -100,9 +100,9 @@ class VanishingGradient(Rule):
     name = "vanishing_gradient"
     description = ("Gradients shrink to nothing on their way back while the run has not learned: the largest RMS "
                    "gradient of the first half of the weight layers is a tiny fraction of the second half's, or "
-                   "every gradient is near zero. Embedding tables are left out (a batch touches a few of their rows). A run whose loss "
-                   "has fallen well below where it began is learning, and a converged one has tiny gradients by "
-                   "design: neither is flagged.")
+                   "every gradient is near zero. Embedding tables are left out (a batch touches a few of their "
+                   "rows). A run whose loss has fallen well below where it began is learning, and a converged one "
+                   "has tiny gradients by design: neither is flagged.")
     kinds = (AnomalyKind.vanishing_gradient,)
     params = {
         "ratio": Param(1e-3, "after AUTOTRAINER (ICSE 2021), which compares the first and last layers' gradients; "
@@ -116,7 +116,8 @@ class VanishingGradient(Rule):
                          "the healthy corpus (benchmarks/healthy.py) falls below half of it, and a converged BERT "
                          "to 1e-3 of it", "a loss below this fraction of the run's starting loss has learned: "
                          "its gradients are not vanishing"),
-        "patience": Param(1, "measurement here: one sample is enough at a 1000x gap", "samples the condition must hold"),
+        "patience": Param(1, "measurement here: one sample is enough at a 1000x gap",
+                          "samples the condition must hold"),
     }
 
     def initial_state(self) -> dict:

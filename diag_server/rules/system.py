@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from schemas.enums import AnomalyKind, Severity
 
-from .base import Finding, Observations, Param, Rule, per_key, median, push, streak
+from .base import Finding, Observations, Param, Rule, median, per_key, push, streak
 
 
 def _by_step(obs: Observations, *names: str) -> dict[int, dict[str, float]]:
@@ -134,10 +134,10 @@ class MemoryGrowth(Rule):
         "min_growth_mb": Param(16.0, "measurement here: healthy suite runs grow < 3 MB over a run",
                                "growth over those samples below this is ignored"),
         "monotone": Param(0.75, "measurement here", "fraction of sample-to-sample changes that must be increases"),
-        "steady": Param(0.5, "measurement here (benchmarks/healthy.py): a ViT's RSS settles in by 16.4 then 3.8 MB over "
-                        "its first two intervals (the last 0.38x the pace); the suite's kept tensors grow by the same "
-                        "20 MB every sample (1.0x)", "the last change per step must be at least this fraction of the "
-                        "growth per step over the samples"),
+        "steady": Param(0.5, "measurement here (benchmarks/healthy.py): a ViT's RSS settles in by 16.4 then 3.8 "
+                        "MB over its first two intervals (the last 0.38x the pace); the suite's kept tensors grow by "
+                        "the same 20 MB every sample (1.0x)", "the last change per step must be at least this "
+                        "fraction of the growth per step over the samples"),
     }
     series_names = ("sys/rss_mb", "sys/cuda_allocated_mb")
 
