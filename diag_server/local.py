@@ -15,8 +15,8 @@ import orjson
 from schemas.events import IngestBatch
 
 from .diagnosis import diagnose
-from .engine import Engine
-from .ingest import ingest
+from .pipeline.engine import Engine
+from .pipeline.ingest import ingest
 from .store import Store
 
 

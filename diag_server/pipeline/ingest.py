@@ -13,13 +13,13 @@ from pydantic import ValidationError
 from schemas.events import (CaptureResult, Command, FixAck, IngestBatch, IngestReply, LayerProfiles, RunStart,
                             Scalars, Spans, TensorSnapshot, TensorStats)
 
-from .pipeline import captures, evidence, ranks
-from . import fixes
-from .compression.recipe import store_profiles
+from . import captures, evidence, ranks
+from .. import fixes
+from ..compression.recipe import store_profiles
 from .engine import Engine, loss_median
-from .errors import ApiError
-from .rules import Observations
-from .store import STAT_COLUMNS, Store, add_message
+from ..errors import ApiError
+from ..rules import Observations
+from ..store import STAT_COLUMNS, Store, add_message
 
 MAX_BODY_BYTES = 32 << 20  # a full batch of the largest events fits well inside this
 DEFAULT_INTERVAL = 100  # the probe's default (probes.DEFAULT_INTERVAL), for runs that sent no run_start

@@ -14,10 +14,11 @@ import orjson
 
 from schemas.enums import AnomalyStatus, FixStatus, Severity
 
-from .fixes import MITIGATIONS, fault_step
-from .rules import BUILTIN, Finding, Observations, Rule
-from .store import add_message
-from .fixes.verdict import REFERENCE_POINTS, START_POINTS, judge
+from ..fixes import MITIGATIONS, fault_step
+from ..rules import BUILTIN, Finding, Observations, Rule
+from ..store import add_message
+from ..fixes.verdict import REFERENCE_POINTS, START_POINTS, judge
+from .evidence import request_snapshot
 
 _SEVERITY_ORDER = {Severity.info.value: 0, Severity.warning.value: 1, Severity.critical.value: 2}
 
@@ -105,8 +106,6 @@ class Engine:
     # -- called from ingest, in the writer thread ------------------------------------------------------
     def process(self, conn: sqlite3.Connection, obs: Observations, now: float) -> list[str]:
         """Run every rule over ``obs``; return ids of anomalies opened by this batch."""
-        from .pipeline.evidence import request_snapshot
-
         opened: list[str] = []
         seen: set[str] = set()
         if obs.start is None:
