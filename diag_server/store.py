@@ -13,8 +13,10 @@ pages once instead of eight times (benchmarks/distributed.py --part ingest).
 
 from __future__ import annotations
 
+import math
 import queue
 import sqlite3
+import struct
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,7 +44,7 @@ CREATE INDEX IF NOT EXISTS scalars_by_name ON scalars(run, name, step);
 CREATE TABLE IF NOT EXISTS stats(
     run TEXT, step INTEGER, collection TEXT, tensor TEXT, numel INTEGER, norm REAL, mean REAL, std REAL,
     min REAL, max REAL, nan_count INTEGER, inf_count INTEGER, zero_frac REAL, dead_frac REAL,
-    saturated_frac REAL, update_ratio REAL, rank INTEGER DEFAULT 0);
+    saturated_frac REAL, update_ratio REAL, rank INTEGER DEFAULT 0, quantiles BLOB);
 CREATE INDEX IF NOT EXISTS stats_by_tensor ON stats(run, collection, tensor, step);
 CREATE INDEX IF NOT EXISTS stats_by_step ON stats(run, step);
 CREATE TABLE IF NOT EXISTS messages(run TEXT, step INTEGER, time REAL, level TEXT, text TEXT, rank INTEGER DEFAULT 0);
@@ -87,7 +89,21 @@ CREATE TABLE IF NOT EXISTS capture_results(
 # Columns added after a table was first released: (table, column, declaration). Stores made before them
 # get the column on open; rows already there read as rank 0, which is what a one-process run is.
 ADDED_COLUMNS = [("scalars", "rank", "INTEGER DEFAULT 0"), ("stats", "rank", "INTEGER DEFAULT 0"),
-                 ("messages", "rank", "INTEGER DEFAULT 0")]
+                 ("messages", "rank", "INTEGER DEFAULT 0"), ("stats", "quantiles", "BLOB")]
+
+
+def pack_quantiles(values: list[float | None] | None) -> bytes | None:
+    """A stats row's quantiles (StatRow.quantiles) as stored: little-endian doubles, NaN for a null; none
+    sent, NULL. 56 bytes a row that has them, and the probe sends them on few of its sampled steps."""
+    if not values:
+        return None
+    return struct.pack(f"<{len(values)}d", *(math.nan if v is None else v for v in values))
+
+
+def unpack_quantiles(blob: bytes | None) -> list[float | None] | None:
+    if blob is None:
+        return None
+    return [None if v != v else v for v in struct.unpack(f"<{len(blob) // 8}d", blob)]
 
 
 def add_message(conn: sqlite3.Connection, run: str, step: int, time: float, level: str, text: str,
