@@ -18,16 +18,17 @@ COLLECTIONS = ("weights", "gradients", "activations")  # the collections whose r
 
 
 def tensors(conn: sqlite3.Connection, run: str, collection: str, rank: int) -> list[str]:
-    """The collection's tensors in forward order: the row order of its first sampled step, then any later."""
-    first = conn.execute("SELECT min(step) FROM stats WHERE run=? AND collection=? AND rank=?",
-                         (run, collection, rank)).fetchone()[0]
+    """The collection's tensors in forward order: the row order of its first sampled step, then any later.
+    (Found from the (run, collection, tensor, step) index without reading rows: the rank is not in it, and
+    the ranks of a run measure the same tensors.)"""
+    first = conn.execute("SELECT min(step) FROM stats WHERE run=? AND collection=?", (run, collection)).fetchone()[0]
     if first is None:
         return []
-    order = [r[0] for r in conn.execute("SELECT tensor FROM stats WHERE run=? AND collection=? AND rank=? AND step=? "
-                                        "ORDER BY rowid", (run, collection, rank, first))]
+    order = [r[0] for r in conn.execute("SELECT tensor FROM stats WHERE run=? AND step=? AND collection=? AND rank=? "
+                                        "ORDER BY rowid", (run, first, collection, rank))]
     seen = set(order)
-    order += [r[0] for r in conn.execute("SELECT DISTINCT tensor FROM stats WHERE run=? AND collection=? AND rank=?",
-                                         (run, collection, rank)) if r[0] not in seen]
+    order += [r[0] for r in conn.execute("SELECT DISTINCT tensor FROM stats WHERE run=? AND collection=?",
+                                         (run, collection)) if r[0] not in seen]
     return order
 
 
