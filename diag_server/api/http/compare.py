@@ -19,7 +19,8 @@ router = _router()
 @router.get("/v1/compare", response_model=RunComparison, tags=["runs"],
             summary="Runs side by side: one metric overlaid, their config differences, anomalies and fixes")
 def compare(request: Request, services: Svc,
-            run: Annotated[list[str], Query(description=f"Run ids, 1 to {comparing.MAX_COMPARED}: repeat run=.")],
+            run: Annotated[list[str], Query(min_length=1, max_length=comparing.MAX_COMPARED,
+                                            description=f"Run ids, 1 to {comparing.MAX_COMPARED}: repeat run=.")],
             metric: Annotated[str, Query(min_length=1, max_length=256,
                                          description="The scalar to overlay: 'loss', 'val_loss', 'sys/step_time', "
                                                      "...")] = "loss",
