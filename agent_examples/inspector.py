@@ -42,8 +42,8 @@ INSPECTOR = "@modelcontextprotocol/inspector@2.12.0"
 CACHE = ROOT / ".cache" / "inspector"
 RUN = "conformance"
 
-READ_ONLY = {"list_runs", "get_run", "get_anomalies", "diagnose", "get_fix_status", "compression_recipe",
-             "get_series", "get_timeline", "get_capture", "get_embeddings"}
+READ_ONLY = {"list_runs", "get_run", "get_anomalies", "diagnose", "get_fix_status", "get_audit",
+             "compression_recipe", "get_series", "get_timeline", "get_capture", "get_embeddings"}
 DESTRUCTIVE = {"apply_fix", "revert_fix"}
 IDEMPOTENT = {"propose_fix", "apply_fix", "revert_fix"}
 
@@ -152,6 +152,7 @@ def check_transport(name: str, inspector: Inspector, result: Result) -> None:
     call("apply_fix", run=RUN, fix_id=fix)
     call("get_fix_status", run=RUN, fix_id=fix)
     call("revert_fix", run=RUN, fix_id=fix)
+    call("get_audit", run=RUN, fix_id=fix)
     call("compression_recipe", run=RUN, target_sparsity=0.5)
     call("propose_prune", run=RUN, target_sparsity=0.5)
     call("measure_sensitivity", run=RUN)
@@ -161,7 +162,7 @@ def check_transport(name: str, inspector: Inspector, result: Result) -> None:
     capture = call("capture", run=RUN, steps=1, profile=False)
     call("get_capture", run=RUN, capture_id=capture.get("id", "c-1"))
     untested = set(tools) - {"list_runs", "get_run", "get_anomalies", "diagnose", "propose_fix", "apply_fix",
-                             "get_fix_status", "revert_fix", "compression_recipe", "propose_prune",
+                             "get_fix_status", "revert_fix", "get_audit", "compression_recipe", "propose_prune",
                              "measure_sensitivity", "get_series", "get_timeline", "capture", "get_capture",
                              "get_embeddings"}
     result.check(f"{name} every listed tool was called", not untested, f"not called: {sorted(untested)}")

@@ -1,6 +1,7 @@
 """Reading commands for people at a terminal: ``traindx runs``, ``run RUN``, ``anomalies RUN``, ``diagnose RUN``,
 ``fixes RUN`` (and ``propose``/``apply``/``revert`` to act). They talk to a running server over HTTP, like
 the dashboard and the Python client, and print readable tables, or the server's own JSON/XML for scripts.
+The token is found as the probe finds it (``schemas.auth``): $TRAINDX_TOKEN, else DATA/token.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import click
 
+from schemas.auth import token_places
 from schemas.events import MAX_EMBEDDING_ROWS
 
 from .client import DEFAULT_SERVER, Client, TraindxError
@@ -67,7 +69,7 @@ class _Cmd:
     """One command's connection: tables through the typed client, --json/--xml straight from the server."""
 
     def __init__(self, server: str, fmt: str | None) -> None:
-        self.client = Client(server)  # the token comes from $TRAINDX_TOKEN, the actor from $USER
+        self.client = Client(server)  # the token found as the probe finds it (schemas.auth), the actor from $USER
         self.fmt = fmt
         self.server = server
 
@@ -80,7 +82,8 @@ class _Cmd:
             else:
                 click.echo(show())
         except TraindxError as e:
-            raise click.ClickException(f"{e.error.error}: {e.error.message}") from None
+            hint = f" (the token is looked for in {token_places()})" if e.status == 401 else ""
+            raise click.ClickException(f"{e.error.error}: {e.error.message}{hint}") from None
         except Exception as e:  # noqa: BLE001 - httpx transport errors: say what to do
             if type(e).__module__.startswith("httpx"):
                 raise click.ClickException(f"cannot reach the traindx server at {self.server} ({e}); start one "

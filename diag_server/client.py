@@ -6,7 +6,7 @@ fixes (propose, apply, revert, wait for the job's answer)::
 
     from diag_server.client import Client
 
-    dx = Client()                              # $TRAINDX_SERVER or http://127.0.0.1:8765, $TRAINDX_TOKEN
+    dx = Client()                              # $TRAINDX_SERVER or http://127.0.0.1:8765; the token as below
     run = dx.runs()[0].run
     for a in dx.anomalies(run, status="open"):
         print(a.id, a.kind, a.message)
@@ -16,7 +16,9 @@ fixes (propose, apply, revert, wait for the job's answer)::
     dx.wait_fix(run, fix.id)                   # until the job has applied (or refused) it
 
 Every call returns the contract's pydantic records (``schemas.records``); an error answer raises
-``TraindxError`` carrying the server's ``Error`` record.
+``TraindxError`` carrying the server's ``Error`` record. Without ``token=``, the token is found as the probe
+finds it (``schemas.auth.find_token``: $TRAINDX_TOKEN, else DATA/token with DATA $TRAINDX_DATA or .traindx),
+and found anew when the server answers 401 (a server started after the client writes it then).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, Iterator, TypeVar
 import httpx
 from pydantic import BaseModel
 
+from schemas.auth import find_token
 from schemas.records import (Anomaly, AnomalyPage, AuditPage, CompressionRecipe, Diagnosis, EmbeddingTables, Error, Fix,
                              FixList, FixPage, Heatmap, RunHistory, RunPage, RunSummary, Series, SeriesSet)
 
@@ -57,14 +60,29 @@ class Client:
                  timeout: float = 10.0, transport: httpx.BaseTransport | None = None) -> None:
         """``actor`` names you in the audit trail ('person:<actor>'); default $TRAINDX_ACTOR or $USER."""
         base = (server or os.environ.get("TRAINDX_SERVER") or DEFAULT_SERVER).rstrip("/")
-        token = token if token is not None else os.environ.get("TRAINDX_TOKEN")
+        self._token_given = token is not None
         who = actor or os.environ.get("TRAINDX_ACTOR") or os.environ.get("USER") or ""
         headers = {"accept": "application/json"}
-        if token:
-            headers["authorization"] = f"Bearer {token}"
         if who:
             headers["x-traindx-actor"] = f"person:{who}"
         self._http = httpx.Client(base_url=base, headers=headers, timeout=timeout, transport=transport)
+        self._use_token(token if token is not None else find_token())
+
+    def _use_token(self, token: str | None) -> None:
+        self._token = token or None
+        if self._token:
+            self._http.headers["authorization"] = f"Bearer {self._token}"
+        else:
+            self._http.headers.pop("authorization", None)
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        res = self._http.request(method, path, **kwargs)
+        if res.status_code == 401 and not self._token_given:
+            fresh = find_token()  # the server may have written its token since this client was made
+            if fresh and fresh != self._token:
+                self._use_token(fresh)
+                res = self._http.request(method, path, **kwargs)
+        return res
 
     def close(self) -> None:
         self._http.close()
@@ -77,7 +95,7 @@ class Client:
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _call(self, model: type[M], method: str, path: str, **params: Any) -> M:
-        res = self._http.request(method, path, params=_clean(params))
+        res = self._request(method, path, params=_clean(params))
         if res.status_code >= 400:
             try:
                 err = Error.model_validate_json(res.content)
@@ -101,8 +119,8 @@ class Client:
 
     def raw(self, method: str, path: str, *, format: str = "json", **params: Any) -> bytes:
         """The server's answer as it sent it, in ``format`` (json or xml): for scripts that pipe it on."""
-        res = self._http.request(method, path, params=_clean(params),
-                                 headers={"accept": "application/xml" if format == "xml" else "application/json"})
+        res = self._request(method, path, params=_clean(params),
+                            headers={"accept": "application/xml" if format == "xml" else "application/json"})
         if res.status_code >= 400:
             try:
                 err = Error.model_validate_json(res.content) if format == "json" else Error(

@@ -1,4 +1,4 @@
-/* The probe's native CPU passes (probes/stats.py, probes/collect.py, probes/embeddings.py).
+/* The probe's native CPU passes (probes/stats.py, probes/collect.py, probes/embeddings/).
  *
  * - stats: the eight raw sums of a tensor (sum, sum of squares, NaN/Inf/zero counts, min and max over the
  *   finite elements), each element read once, NaN/Inf masked in the same pass. The torch path takes five
@@ -247,11 +247,12 @@ fastats_alive(PyObject *Py_UNUSED(self), PyObject *args)
 }
 
 
-/* ---- embedding rows: one tracked step, applied as it happens (probes/embeddings.py, TableState) ----
+/* ---- embedding rows: one tracked step, applied as it happens (probes/embeddings/native.py) ----
  *
- * The same recurrences as TableState._fold, which applies a queue of steps at once with vectorised torch
- * operations (a segmented scan); here each step updates its rows' statistics directly, in the optimizer
- * step's hooks: O(lookups x width) a step, no queue, no fold, no memory per row beyond the state.
+ * The same recurrences as the fold (probes/embeddings/fold.py), which applies a queue of steps at once with
+ * vectorised torch operations (a segmented scan); here each step updates its rows' statistics directly, in
+ * the optimizer step's hooks: O(lookups x width) a step, no queue, no fold, no memory per row beyond the
+ * state.
  * track_pre, before the optimizer step, finds the step's distinct rows (a hash table of 2x the lookups,
  * in the caller's scratch), counts their lookups, reduces their gradient rows to their largest |element|
  * and sketch, and copies their values; track_post, after it, reads the rows' new values and updates
@@ -674,9 +675,9 @@ fastats_track_post(PyObject *Py_UNUSED(self), PyObject *args)
     return PyLong_FromSsize_t(touched);
 }
 
-/* ---- embedding rows: a report (probes/embeddings.py, TableState._native_report) ----------------------
+/* ---- embedding rows: a report (probes/embeddings/report.py, pack_native) -----------------
  *
- * The same summary as TableState.report's torch operations (which stay for CUDA tables, other dtypes and
+ * The same summary as report.pack's torch operations (which stay for CUDA tables, other dtypes and
  * installs without this kernel), computed in two passes over the rows that matter: the fixed sample of
  * rows (medians, the share of eligible rows whose updates reverse, the collapse statistics' rows: copied
  * out as float64 for the caller's eigendecomposition, and their mean pairwise cosine) and the candidates
@@ -782,7 +783,7 @@ static inline float ratio_f(float num, float den) { return num / (den > 1e-30f ?
 /* Whether a row's energy per lookup was measured: it has been looked up here. A row of a replicated table
  * that only other ranks look up is updated (its gradient is all-reduced) with no lookup here, and its energy
  * stays 0: in the median it read as the typical row's, and the rows looked up here stood out by 1e28x
- * (_measured in probes/embeddings.py). */
+ * (measured in probes/embeddings/maths.py). */
 static inline int measured(const float *st)
 {
     return st[6] > 0;
@@ -795,7 +796,7 @@ static inline float zombie_score(const float *st, float occ_ref)
     return logf(noise > 1e-6f ? noise : 1e-6f) - ratio_f(st[2], st[3]);
 }
 
-/* a row's run's record (TableState._run): the sum of its ln(noise) readings, their count, the sum of the same
+/* a row's run's record (TableState.run_record): the sum of its ln(noise) readings, their count, the sum of the same
  * readings in spreads (ln(noise) / the report's noise_spread), and that sum's mean at its highest once
  * ``settled`` readings were in. Its run_score (TableState.conflict_score): the peak once settled, the mean
  * before; its run_noise: exp of the mean ln(noise). */
@@ -980,7 +981,7 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
                 }
             }
         }
-    /* the run's record (TableState._conflicts): each window row eligible with its energy measured adds its
+    /* the run's record (report._conflicts): each window row eligible with its energy measured adds its
      * ln(noise), and the same in spreads, when the report has a spread; the mean in spreads' highest is kept
      * once run_settled readings are in. Then the window and the previous conflicted list, each once (flag 4),
      * are ranked by run_score, among the finite rows updated at least as often as the median row */
@@ -1110,10 +1111,10 @@ fastats_report_rows(PyObject *Py_UNUSED(self), PyObject *args)
     return Py_BuildValue("nnnnnddnn", nz, nr, nnf, nd, dead_scan, (double)touch_median, (double)occ_median, m, nc);
 }
 
-/* ---- a report's listed rows as the event's dicts (probes/embeddings.py, _decode) ----------------------
+/* ---- a report's listed rows as the event's dicts (probes/embeddings/report.py, listed_rows) -----------
  *
  * A report lists up to 2 x TOP_ROWS rows a table, six numbers each, which the event carries as dicts. Built
- * here from the report's host list (six columns of n values from ``at``): the same dicts as _decode's
+ * here from the report's host list (six columns of n values from ``at``): the same dicts as listed_rows'
  * comprehension, the row id and touches as ints, a non-finite statistic as None; the list's float objects
  * are reused, not copied. About a quarter of the comprehension's time, which was a third of a report's. */
 
@@ -1185,19 +1186,19 @@ static PyMethodDef methods[] = {
      "Write to ``out`` (room for ``rows`` int64) the rows of a contiguous float32 (rows, dim) buffer with an\n"
      "element that is not +-0 (NaN counts), in order; return how many."},
     {"track_pre", fastats_track_pre, METH_VARARGS,
-     "One tracked step of an embedding table, before the optimizer step (see probes/embeddings.py)."},
+     "One tracked step of an embedding table, before the optimizer step (see probes/embeddings/native.py)."},
     {"track_post", fastats_track_post, METH_VARARGS,
-     "One tracked step of an embedding table, after the optimizer step (see probes/embeddings.py): writes\n"
+     "One tracked step of an embedding table, after the optimizer step (see probes/embeddings/native.py): writes\n"
      "the rows it updated that are not flagged in ``inwin`` (one byte a row) to ``out`` (room for the\n"
      "step's distinct rows), flags them, and returns how many."},
     {"report_rows", fastats_report_rows, METH_VARARGS,
-     "The lists and counts of an embedding table's report (see probes/embeddings.py, TableState._native_report)\n"
+     "The lists and counts of an embedding table's report (see probes/embeddings/report.py, pack_native)\n"
      "-> (zombies, rarest, non-finite, dead, dead_scan, touch median, energy median, collapse rows, conflicted);\n"
-     "it adds the window's rows to the run's record (TableState._conflicts) and ranks the conflicted list."},
+     "it adds the window's rows to the run's record (as report._conflicts) and ranks the conflicted list."},
     {"row_dicts", fastats_row_dicts, METH_VARARGS,
      "row_dicts(raw, at, n, keys) -> list of n dicts\n\n"
-     "A report's listed rows (see probes/embeddings.py, _decode): six columns of n values of the list ``raw``\n"
-     "from ``at``, under the six ``keys``; the first two as ints, a non-finite value as None."},
+     "A report's listed rows (see probes/embeddings/report.py, listed_rows): six columns of n values of the\n"
+     "list ``raw`` from ``at``, under the six ``keys``; the first two as ints, a non-finite value as None."},
     {"outside", fastats_outside, METH_VARARGS,
      "outside(data_ptr, numel, lo, hi, is_double) -> int\n\n"
      "How many elements of a contiguous buffer are <= lo or >= hi (NaN: neither)."},

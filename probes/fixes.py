@@ -65,6 +65,9 @@ def _number(params: Mapping, key: str, lo: float, hi: float, default: float | No
     return float(value)
 
 
+number = _number  # the public name, for actions kept in other modules (probes/embeddings/action.py)
+
+
 def _need_optimizer(t: Target) -> torch.optim.Optimizer:
     if t.optimizer is None:
         raise FixRejected("this action needs the optimizer; pass it to probes.attach(model, optimizer)")

@@ -487,13 +487,19 @@ class Probe:
         self._quiet_until = 0
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Send everything measured so far; True when it reached the server."""
+        """Send everything measured so far; True when it reached the server. Waits up to ``timeout`` for a
+        slow, busy or restarting server; sooner only when no server has answered this job at all."""
         self._flush_scalars()
         self._drain_in_flight(wait=True)
         return self.sender.flush(timeout)
 
     def close(self, timeout: float = 10.0, *, reason: str = "closed") -> None:
-        """Send what is left and take every hook off. Called at interpreter exit for a probe left open."""
+        """Send what is left and take every hook off. Called at interpreter exit for a probe left open.
+
+        Returns once everything is delivered, or after ``timeout`` seconds (a slow or busy server is waited
+        on, a server that went away is tried again until then), or after a short grace when no server has
+        answered this job at all. What is still undelivered then stays in the spool, named in one log line
+        with the command that delivers it (docs/reliability.md)."""
         if self._closed:
             return
         _OPEN.discard(self)

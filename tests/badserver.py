@@ -3,7 +3,8 @@
 Modes: ``hang`` (accepts, reads, never answers until released), ``slow`` (answers after ``delay``),
 ``garbage`` (200 with a body that is not JSON), ``error`` (500), ``busy`` (429/503 with Retry-After),
 ``reset`` (closes the connection without an answer), ``ok`` (a well-formed empty ingest reply).
-A closed port is the ``refuse`` case: use ``closed_port()``.
+A closed port is the ``refuse`` case: use ``closed_port()``. ``SlowProxy`` sits in front of a real
+server and holds its answers to ingest: a slow server, for tests and benchmarks/slow_server.py.
 """
 
 from __future__ import annotations
@@ -108,3 +109,106 @@ class BadServer:
                                         b'{"op": "apply", "action": "set_lr", "params": {"lr": 1e9}}]}')
             else:
                 self._answer(sock, 200, b'{"accepted": 0, "commands": []}')
+
+
+class SlowProxy:
+    """A TCP proxy in front of a real server that holds the server's answers to ``POST /v1/ingest``.
+
+    The request goes on to the server at once (so the server stores the batch), and its answer reaches the
+    client ``delay`` seconds after the request came: a server slow to answer, as one under load is. A
+    ``(low, high)`` delay draws each from that range. Only while ``slow`` is set, and for at most ``limit``
+    answers when given; other requests and answers pass untouched. Use as a context manager; ``url`` is the
+    proxy's address.
+    """
+
+    def __init__(self, upstream_port: int, delay: float | tuple[float, float] = 6.0, *, limit: int | None = None,
+                 seed: int = 0) -> None:
+        import random
+
+        self.upstream_port = upstream_port
+        self.delay = delay
+        self.limit = limit
+        self.slow = threading.Event()
+        self.slow.set()
+        self.held = 0  # answers held so far
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(128)
+        self.port = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._closed = threading.Event()
+
+    def __enter__(self) -> SlowProxy:
+        threading.Thread(target=self._accept, daemon=True, name="slow-proxy").start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closed.set()
+        self._listener.close()
+
+    def _hold(self) -> float | None:
+        """Seconds to hold the answer to the request just seen, or None."""
+        with self._lock:
+            if not self.slow.is_set() or (self.limit is not None and self.held >= self.limit):
+                return None
+            self.held += 1
+            low, high = self.delay if isinstance(self.delay, tuple) else (self.delay, self.delay)
+            return self._random.uniform(low, high)
+
+    def _accept(self) -> None:
+        import time
+
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=10)
+            except OSError:
+                client.close()  # the server is down: the client sees its connection dropped
+                continue
+            upstream.settimeout(None)
+            state = {"until": None}
+            own_host, upstream_host = b"Host: 127.0.0.1:%d" % self.port, b"Host: 127.0.0.1:%d" % self.upstream_port
+
+            def up(client: socket.socket = client, upstream: socket.socket = upstream, state: dict = state) -> None:
+                try:
+                    while data := client.recv(65536):
+                        # As a reverse proxy does, name the server it forwards to in Host: the server checks
+                        # Host against its own address (DNS-rebinding protection).
+                        data = data.replace(own_host, upstream_host, 1) if data[:1].isalpha() else data
+                        if state["until"] is None and data.startswith(b"POST /v1/ingest"):
+                            hold = self._hold()
+                            state["until"] = time.monotonic() + hold if hold is not None else 0.0
+                        upstream.sendall(data)
+                except OSError:
+                    pass
+                finally:
+                    for s in (client, upstream):
+                        try:
+                            s.shutdown(socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+
+            def down(client: socket.socket = client, upstream: socket.socket = upstream, state: dict = state) -> None:
+                try:
+                    while data := upstream.recv(65536):
+                        until, state["until"] = state["until"], None
+                        if until:
+                            time.sleep(max(until - time.monotonic(), 0.0))
+                        client.sendall(data)
+                except OSError:
+                    pass
+                finally:
+                    for s in (client, upstream):
+                        try:
+                            s.close()
+                        except OSError:
+                            pass
+
+            threading.Thread(target=up, daemon=True).start()
+            threading.Thread(target=down, daemon=True).start()

@@ -81,7 +81,7 @@ def _recsys(rank: int, job: dict, noisy: bool = False) -> tuple:
 
 def train_steps(opt: torch.optim.Optimizer, probe: probes.Probe, steps: int, batch_loss, before=None) -> None:  # noqa: ANN001
     """``steps`` training steps of ``batch_loss()`` (``before(step)`` first, when given), then the probe closed
-    (tests/test_embeddings.py uses it too)."""
+    (tests/probes/embeddings/test_collection.py uses it too)."""
     for step in range(steps):
         if before is not None:
             before(step)

@@ -107,3 +107,35 @@ def test_errors_say_what_to_do(srv: ServerProcess) -> None:
 def test_table_pads_columns() -> None:
     text = table(["A", "LONGER"], [["x", "1"], ["yyy", None]])
     assert text.splitlines() == ["A    LONGER", "---  ------", "x    1", "yyy  -"]  # the rule fits the column
+
+
+def test_every_command_finds_the_token_the_server_wrote(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`traindx runs` in the server's own directory: no TRAINDX_TOKEN, the server's token file in ./.traindx
+    (reads need the token on this server). Elsewhere, the 401 says where the token was looked for."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    srv = ServerProcess(url=f"http://127.0.0.1:{port}", port=port, data_dir=tmp_path / ".traindx",
+                        env={"TRAINDX_TOKEN": None, "TRAINDX_DATA": None})
+    srv.start()
+    try:
+        env = {"TRAINDX_SERVER": srv.url, "TRAINDX_TOKEN": None, "TRAINDX_DATA": None, "USER": "cli-user"}
+        monkeypatch.chdir(tmp_path)
+        run = CliRunner().invoke(main, ["runs"], env=env, catch_exceptions=False)
+        assert run.exit_code == 0 and "no runs yet" in run.output, run.output
+        httpx.post(f"{srv.url}/v1/ingest", headers=srv.headers, json={
+            "batch_id": uuid.uuid4().hex, "run": "mine", "seq": 0,
+            "events": [{"kind": "scalars", "step": s, "time": 1.0, "values": {"loss": 1.0}} for s in range(3)]},
+        ).raise_for_status()
+        for args in (["runs"], ["run", "mine"], ["anomalies", "mine"], ["fixes", "mine"], ["diagnose", "mine"],
+                     ["runs", "--json"]):
+            res = CliRunner().invoke(main, args, env=env, catch_exceptions=False)
+            assert res.exit_code == 0 and "unauthorized" not in res.output, (args, res.output)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        monkeypatch.chdir(elsewhere)
+        res = CliRunner().invoke(main, ["runs"], env=env, catch_exceptions=False)
+        assert res.exit_code == 1 and "unauthorized" in res.output
+        assert str(elsewhere / ".traindx" / "token") in res.output and "TRAINDX_TOKEN" in res.output
+    finally:
+        srv.stop()

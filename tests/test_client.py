@@ -89,3 +89,27 @@ def test_propose_apply_and_revert_reach_the_job(live) -> None:
     with Client(srv.url, token="") as anonymous, pytest.raises(TraindxError) as err:
         anonymous.propose(RUN, nan.id)
     assert err.value.status == 401 and err.value.error.error == "unauthorized"
+
+
+def test_the_client_finds_the_token_file_and_reads_it_again_on_401(tmp_path, monkeypatch) -> None:
+    """As the probe does: no TRAINDX_TOKEN, the token in TRAINDX_DATA/token; a client made before the server
+    wrote it picks it up on the server's first 401."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    srv = ServerProcess(url=f"http://127.0.0.1:{port}", port=port, data_dir=tmp_path / "data",
+                        env={"TRAINDX_TOKEN": None, "TRAINDX_DATA": None})
+    monkeypatch.delenv("TRAINDX_TOKEN", raising=False)
+    monkeypatch.setenv("TRAINDX_DATA", str(srv.data_dir))
+    early = Client(srv.url)  # before the server (and its token) exists
+    srv.start()
+    try:
+        assert early.runs() == []
+        with Client(srv.url) as dx:
+            assert dx.runs() == []
+        with Client(srv.url, token="not-the-token") as wrong, pytest.raises(TraindxError) as err:
+            wrong.runs()  # a token given is the token used
+        assert err.value.status == 401
+    finally:
+        early.close()
+        srv.stop()

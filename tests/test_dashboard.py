@@ -173,7 +173,7 @@ def test_a_recommender_run_shows_its_embedding_tables(live, browser) -> None:
     import torch
 
     import probes
-    from tests.test_embeddings import Toy, train
+    from tests.embedding_jobs import Toy, train
 
     srv, _ = live
     torch.manual_seed(0)
@@ -199,7 +199,7 @@ def test_a_recommender_run_shows_its_embedding_tables(live, browser) -> None:
 
     # A language model whose output projection is its token table (tied, or the table itself used as the
     # output matrix): the table says what it is tied to, or that it learns outside its lookups.
-    from tests.test_embeddings import TinyLM, train_lm
+    from tests.embedding_jobs import TinyLM, train_lm
     for run, tie, shown in (("dash-tied", True, "wte.weight · tied to lm_head.weight"),
                             ("dash-output", False, "wte.weight · learns outside its lookups")):
         model = TinyLM(40, tie=tie, output=not tie)

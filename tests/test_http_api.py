@@ -31,6 +31,7 @@ TOOL_ROUTES = {
     "apply_fix": ("POST", "/v1/runs/{run}/fixes/{fix_id}/apply"),
     "get_fix_status": ("GET", "/v1/runs/{run}/fixes/{fix_id}"),
     "revert_fix": ("POST", "/v1/runs/{run}/fixes/{fix_id}/revert"),
+    "get_audit": ("GET", "/v1/runs/{run}/audit"),
     "compression_recipe": ("GET", "/v1/runs/{run}/compression"),
     "get_series": ("GET", "/v1/runs/{run}/series/{name}"),
     "get_embeddings": ("GET", "/v1/runs/{run}/embeddings"),

@@ -21,6 +21,11 @@ from .render import NegotiatedRoute, formats_of
 
 XML = "application/xml"
 ERROR_REF = {"$ref": "#/components/schemas/Error"}
+# The Chrome trace event format (what ?format=chrome returns): chrome://tracing and Perfetto read it.
+CHROME_TRACE = {"type": "object", "required": ["traceEvents"],
+                "description": "A Chrome trace / Perfetto JSON file (?format=chrome).",
+                "properties": {"traceEvents": {"type": "array", "items": {"type": "object"}},
+                               "displayTimeUnit": {"type": "string"}, "otherData": {"type": "object"}}}
 XML_NOTE = "As XML: root element named like the model, valid against schemas/traindx.xsd."
 ERROR_TEXT = {
     400: "The body is not valid JSON.", 401: "A bearer token is required (TRAINDX_TOKEN).",
@@ -52,6 +57,7 @@ def _patch(doc: dict[str, Any], offered: dict[tuple[str, str], tuple[str, ...]])
     for name, sub in ingest_schema.pop("$defs", {}).items():
         comps.setdefault(name, sub)
     comps["IngestBatch"] = ingest_schema
+    comps["ChromeTrace"] = CHROME_TRACE
     _require_discriminators(doc, comps)
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)
@@ -70,6 +76,10 @@ def _patch(doc: dict[str, Any], offered: dict[tuple[str, str], tuple[str, ...]])
                     schema = resp["content"]["application/json"].get("schema", {})
                     resp["content"][XML] = {"schema": schema}
                     resp["description"] = f"{resp.get('description', 'OK')}. {XML_NOTE}"
+                if code == 200 and "chrome" in offer:  # same media type, another shape: say both
+                    json_body = resp["content"]["application/json"]
+                    json_body["schema"] = {"anyOf": [json_body.get("schema", {}),
+                                                     {"$ref": "#/components/schemas/ChromeTrace"}]}
             if method == "post" and path == "/v1/ingest":
                 op["requestBody"] = {"required": True, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/IngestBatch"}}}}

@@ -24,8 +24,9 @@ def triage_run(run: str) -> str:
     return (f"Training run {run!r} is being watched by traindx. 1) Call get_anomalies(run={run!r}, "
             "status='open') and read the most severe. 2) Call diagnose to find the root cause. 3) Call "
             "propose_fix for the root cause's anomaly and apply_fix with the first live proposal the job allows. "
-            "4) Poll get_fix_status until it is effective or ineffective; if ineffective, revert_fix and try "
-            "the next proposal. Report what you found, what you changed (before -> after) and the verdict.")
+            "4) Poll get_fix_status until it is effective or ineffective; if get_audit's verdict entry for the fix "
+            "says revert_suggested, revert_fix; if ineffective, try the next proposal. Report what you found, what "
+            "you changed (before -> after) and the verdict.")
 
 
 def register(server: TraindxMCP) -> None:
