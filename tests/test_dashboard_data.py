@@ -185,3 +185,48 @@ def test_the_hf_trainer_sends_its_arguments_and_model_config(tmp_path) -> None:
     assert config["data.name"] == "tokens-256"  # the callback's own config= joins what the Trainer knows
     assert "secret-hub-token" not in str(config)  # transformers redacts tokens in to_sanitized_dict
     RunStart.model_validate(start)
+
+
+def test_the_lightning_trainer_sends_the_modules_hparams_and_its_settings() -> None:
+    L = pytest.importorskip("lightning.pytorch")
+    from probes.lightning import TraindxCallback
+
+    class Data(L.LightningDataModule):
+        def __init__(self, batch_size: int = 8, source: str = "synthetic") -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            x = torch.randn(64, 8)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)),
+                                               batch_size=self.hparams.batch_size)
+
+    class Module(L.LightningModule):
+        def __init__(self, lr: float = 0.05, hidden: int = 16, optim: Optim = Optim(), act: Act = Act.gelu,
+                     batch_size: int = 4) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = mlp(hidden=hidden)
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    sink = MemorySink()
+    callback = TraindxCallback(sink=sink, run="pl-config", config={"data": {"name": "sums-64"}, "hidden": 17})
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, max_steps=3,
+                        accumulate_grad_batches=2, gradient_clip_val=1.0, callbacks=[callback])
+    trainer.fit(Module(lr=0.02), datamodule=Data())
+    start = next(e for e in sink.events if e["kind"] == "run_start")
+    config = start["run_config"]
+    assert config["lr"] == 0.02 and config["optim.lr"] == 3e-4 and config["optim.betas"] == [0.9, 0.95]
+    assert config["act"] == "gelu" and config["source"] == "synthetic"
+    assert config["batch_size"] == 4  # the module's hyper-parameter over the datamodule's, as Lightning's loggers
+    assert config["trainer.max_steps"] == 3 and config["trainer.accumulate_grad_batches"] == 2
+    assert config["trainer.gradient_clip_val"] == 1.0 and config["trainer.precision"] == "32-true"
+    assert config["data.name"] == "sums-64" and config["hidden"] == 17  # the callback's config= wins
+    RunStart.model_validate(start)
