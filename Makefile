@@ -9,16 +9,21 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: venv demo test clean
 
-$(VENV)/.installed: pyproject.toml setup.py probes/_fastats.c
+# The demo needs the server (the `server` extra); the tests need the test extra on top of it.
+$(VENV)/.server: pyproject.toml setup.py probes/_fastats.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[server]" "$(TORCH_PIN)"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.server
 	$(PY) -m pip install -q -e ".[test]" "$(TORCH_PIN)"
 	touch $@
 
 venv: $(VENV)/.installed
 
-demo: venv
+demo: $(VENV)/.server
 	$(VENV)/bin/traindx demo
 
 test: venv

@@ -22,10 +22,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import secrets
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,31 +35,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import probes  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(data: Path) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    port = free_port()
-    # The server's token: the ranks (forked from here) and the ingest senders read it from TRAINDX_TOKEN.
-    os.environ.setdefault("TRAINDX_TOKEN", secrets.token_urlsafe(32))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "diag_server.cli", "serve", "--port", str(port), "--data", str(data)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError("server did not start")
+from diag_server.testing import free_port, serve  # noqa: E402
 
 
 # -- 1. overhead per rank ----------------------------------------------------------------------------
@@ -217,7 +190,8 @@ def main() -> None:
 
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start_server(Path(tmp) / "data")
+        srv = serve(Path(tmp) / "data")  # its token in TRAINDX_TOKEN: the forked ranks and senders read it
+        url = srv.url
         try:
             if args.part in ("all", "overhead"):
                 repeats, steps = (8, 100) if args.quick else (40, 100)
@@ -249,8 +223,7 @@ def main() -> None:
                 print(f"   8 senders / 1 sender throughput: {eight / one:.2f}x (one writer thread: the store "
                       "serialises writes)")
         finally:
-            proc.terminate()
-            proc.wait(10)
+            srv.stop()
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
 
 

@@ -270,16 +270,11 @@ TABLES = ("item.weight", "item_bias.weight", "user.weight", "user_bias.weight")
 @contextlib.contextmanager
 def server(prefix: str) -> Iterator[str]:
     """A real `traindx serve` on a free port, with a spool directory of its own for the probes: its URL."""
-    from diag_server.demo import _free_port, start_server
+    from diag_server.testing import serve
     data = tempfile.mkdtemp(prefix=prefix)
     os.environ["TRAINDX_SPOOL"] = os.path.join(data, "spool")
-    port = _free_port()
-    proc = start_server(data, port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with serve(os.path.join(data, "data")) as srv:
+        yield srv.url
 
 
 def zipf(rows: int, exponent: float = 0.8) -> torch.Tensor:

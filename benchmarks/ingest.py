@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.seconds = 1, 4.0
 
-    from tests.conftest import make_server
+    from diag_server.testing import make_server
 
     import httpx
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent_examples.jobs import lr_spike_job  # noqa: E402
 from agent_examples.scripted_agent import ToolFailed, call, connect  # noqa: E402
-from diag_server.demo import _free_port, start_server  # noqa: E402
+from diag_server.testing import serve  # noqa: E402
 
 FAULT = 300
 
@@ -48,11 +48,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pace", type=float, default=0.002, help="seconds of simulated compute per step")
     args = ap.parse_args()
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     data = tempfile.mkdtemp(prefix="traindx-latency-")
     os.environ["TRAINDX_SPOOL"] = os.path.join(data, "spool")
-    server = start_server(data, port)
+    server = serve(os.path.join(data, "data"))
+    url = server.url
     rows = []
     try:
         for r in range(args.repeats):
@@ -73,8 +72,7 @@ def main() -> None:
             print(f"  repeat {r}: visible through MCP {seen - fault_t:.3f} s and {seen_step - FAULT} steps "
                   f"after the faulty step")
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
     secs = statistics.median(s for s, _ in rows)
     steps = statistics.median(n for _, n in rows)
     print(f"time from faulty step to anomaly via MCP, interval {args.interval}: median {secs:.3f} s, "

@@ -64,7 +64,7 @@ def _steps(probe: probes.Probe | None, steps: int) -> float:
 def exactly_once(outage_s: float) -> int:
     import sqlite3
 
-    from tests.conftest import make_server
+    from diag_server.testing import make_server
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     from tests.badserver import BadServer, closed_port
-    from tests.conftest import make_server
+    from diag_server.testing import make_server
 
     with tempfile.TemporaryDirectory() as d, BadServer("hang") as hang:
         tmp = Path(d)

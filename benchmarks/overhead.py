@@ -154,10 +154,9 @@ def main() -> None:
         return
     server_proc, server = None, None
     if args.sink == "http":
-        from diag_server.demo import _free_port, start_server
-        port = _free_port()
-        server_proc = start_server(tempfile.mkdtemp(prefix="traindx-bench-"), port)
-        server = f"http://127.0.0.1:{port}"
+        from diag_server.testing import serve
+        server_proc = serve(tempfile.mkdtemp(prefix="traindx-bench-"))
+        server = server_proc.url
         os.environ["TRAINDX_SPOOL"] = tempfile.mkdtemp(prefix="traindx-spool-")
     try:
         config = ("every collection, every step" if args.every_step else
@@ -185,8 +184,7 @@ def main() -> None:
                   f"({(on - off) * every / off:.1f} steps without the probe)")
     finally:
         if server_proc is not None:
-            server_proc.terminate()
-            server_proc.wait(10)
+            server_proc.stop()
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def _readers(srv, runs: list[str], stop: threading.Event) -> list[threading.Thre
 
 def slow_run(tag: str, jobs: int, steps: int, slow: bool, slow_after: float, tmp: Path) -> dict:
     from tests.badserver import SlowProxy
-    from tests.conftest import make_server
+    from diag_server.testing import make_server
 
     srv = make_server(tmp / tag)
     srv.start()
@@ -167,7 +167,7 @@ def slow_run(tag: str, jobs: int, steps: int, slow: bool, slow_after: float, tmp
 
 def late_server(late: float, after: float, tmp: Path) -> dict:
     """A job started ``late`` s before its server, training on for ``after`` s once the server is up."""
-    from tests.conftest import ServerProcess, free_port
+    from diag_server.testing import ServerProcess, free_port
 
     home = tmp / "late"
     home.mkdir()

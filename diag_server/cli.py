@@ -7,7 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-import click
+try:
+    import click
+except ImportError:  # the probe's install (`pip install traindx`) has no server
+    sys.exit("traindx: this command is the server's; install it with: pip install 'traindx[server]'")
 
 
 def _data_option(f):  # noqa: ANN001
@@ -305,6 +308,17 @@ def delete(run: str, force: bool, server: str | None, data_dir: Path) -> None:
 
 
 @main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--run", required=True, help="The run to diagnose (a file may hold several).")
+def report(files: tuple[Path, ...], run: str) -> None:
+    """Diagnose a run from its event files or spools, without a server (what probe.report() prints
+    when the job has none): the same rules, over a throwaway store."""
+    from .local import diagnose_files
+
+    click.echo(diagnose_files(files, run))
+
+
+@main.command()
 @click.option("--steps", type=int, default=1500, show_default=True, help="Training steps.")
 @click.option("--keep", is_flag=True, help="Keep the server running at the end so the data can be browsed.")
 def demo(steps: int, keep: bool) -> None:
@@ -345,37 +359,12 @@ def rules_(rules: tuple[str, ...], rule_params: tuple[str, ...], disabled: tuple
 @_data_option
 def replay(session: Path, against: str, run_job: bool, timeout: float, data_dir: Path) -> None:
     """Re-run a recorded MCP session and report every response that differs in shape or meaning."""
-    import asyncio
+    import subprocess
 
-    from agent_examples.scripted_agent import connect
-    from agent_examples.sessions import SessionError, load, replay as run_replay, start_job
-
-    try:
-        header, calls = load(session)
-    except SessionError as e:
-        raise click.ClickException(str(e)) from None
-    job = None
-    if run_job:
-        if against == "stdio" or not header.get("job"):
-            raise click.ClickException("--run-job needs a URL target and a session whose header names a job")
-        job = start_job(header["job"], against.rsplit("/mcp", 1)[0])
-
-    async def go():  # noqa: ANN202
-        client = connect(stdio_data=str(data_dir), name="traindx-replay") if against == "stdio" else \
-            connect(against, name="traindx-replay")
-        async with client:
-            return await run_replay(client, calls, timeout=timeout)
-
-    report = asyncio.run(go())
-    if job is not None:
-        job.join()
-    for m in report.mismatches:
-        click.echo(f"call {m.seq} ({m.tool}) differs:")
-        for d in m.differences[:20]:
-            click.echo(f"  {d}")
-    click.echo(f"{report.calls} recorded calls replayed ({report.sent} requests sent): "
-               f"{len(report.mismatches)} differ")
-    sys.exit(0 if report.ok else 1)
+    # The examples are a consumer of the server, never part of it: they run in their own process.
+    cmd = [sys.executable, "-m", "agent_examples.replay", str(session), "--against", against,
+           "--timeout", repr(timeout), "--data", str(data_dir)] + (["--run-job"] if run_job else [])
+    sys.exit(subprocess.run(cmd).returncode)
 
 
 @main.command()

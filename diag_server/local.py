@@ -1,7 +1,7 @@
 """Diagnose a run without a server: load its event batches into a throwaway store and run the same rules.
 
-Used by ``probe.report()`` when the job has no server (``server=False`` writes a local event file). The
-probe imports this module only when asked for a report, so a training job never loads the server.
+Used by ``traindx report FILE --run RUN``, which ``probe.report()`` runs in a child process when the job
+has no server (``server=False`` writes a local event file): a training job never loads the server.
 """
 
 from __future__ import annotations
@@ -36,6 +36,16 @@ def diagnose_batches(batches: Iterable[dict], run: str) -> str:
             store.close()
 
 
-def diagnose_file(path: str | Path, run: str) -> str:
-    lines = Path(path).read_bytes().splitlines()
-    return diagnose_batches((orjson.loads(line) for line in lines if line.strip()), run)
+def diagnose_files(paths: Iterable[str | Path], run: str) -> str:
+    """The text report for ``run`` from event files or spools (one batch per line; a torn last line, as a
+    crash leaves in a spool, is skipped)."""
+
+    def batches() -> Iterable[dict]:
+        for path in paths:
+            for line in Path(path).read_bytes().splitlines():
+                try:
+                    yield orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue
+
+    return diagnose_batches(batches(), run)

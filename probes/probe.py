@@ -436,11 +436,10 @@ class Probe:
         """Print the run's diagnosis and return it as text.
 
         Asked of the server when the probe sends to one; with no server (``server=False``, or a server that
-        cannot be reached) the same rules run here over the run's local events, importing the server's
-        code only now. Never raises: a failure is described in the returned text.
+        cannot be reached) the same rules run over the run's local events in a child process
+        (``traindx report``), so the job never imports the server. Never raises: a failure is described
+        in the returned text.
         """
-        import sys
-
         try:
             if not self._closed:
                 self.flush(timeout)
@@ -465,18 +464,37 @@ class Probe:
         return r.json().get("report") if r.status_code == 200 else None
 
     def _local_report(self) -> str:
-        sink = self.sender.sink
-        from diag_server import local  # only here: a training job never imports the server otherwise
+        """The same rules over the events kept here, run by ``traindx report`` in a child process: the
+        training job never imports the server (nor needs its dependencies, ``traindx[server]``)."""
+        import subprocess
+        import tempfile
+        from pathlib import Path
 
-        if isinstance(sink, FileSink):
-            return local.diagnose_file(sink.path, self.run)
+        import orjson
+
+        sink = self.sender.sink
         batches = getattr(sink, "batches", None)
-        if batches is not None:  # MemorySink
-            return local.diagnose_batches(list(batches), self.run)
-        spool = self.sender.spool_path
-        if spool.exists():  # the server was never reached: what it would have got is in the spool
-            return local.diagnose_file(spool, self.run)
-        return f"traindx: no report for run {self.run}: the server cannot be reached and no events are kept locally"
+        with tempfile.TemporaryDirectory(prefix="traindx-report-") as tmp:
+            if isinstance(sink, FileSink):
+                path = Path(sink.path)
+            elif batches is not None:  # MemorySink
+                path = Path(tmp) / "events.jsonl"
+                path.write_bytes(b"".join(orjson.dumps(b) + b"\n" for b in batches))
+            elif self.sender.spool_path.exists():  # the server was never reached: what it would have got
+                path = self.sender.spool_path
+            else:
+                return (f"traindx: no report for run {self.run}: the server cannot be reached and no events "
+                        "are kept locally")
+            cmd = [sys.executable, "-m", "diag_server.cli", "report", str(path), "--run", self.run]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            if "traindx[server]" in done.stderr or "No module named" in done.stderr:
+                kept = "" if batches is not None else f"; then `traindx report {path} --run {self.run}`"
+                return (f"traindx: no report for run {self.run} without a server: the rules are the server's, "
+                        f"not installed here (pip install 'traindx[server]'{kept})")
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return f"traindx: no report for run {self.run}: {last}"
+        return done.stdout.rstrip("\n")
 
     def set_interval(self, interval: int) -> None:
         self.interval = interval

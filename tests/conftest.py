@@ -1,4 +1,4 @@
-"""Shared fixtures: a real `traindx serve` process on a free port with its own data directory.
+"""Shared fixtures: a real `traindx serve` process (diag_server.testing) on a free port with its own data directory.
 
 Every route but /health needs the server's token (docs/security.md). The test session sets one
 TRAINDX_TOKEN in its environment, which the servers it starts, the probes (HttpSink) and MCP clients
@@ -9,26 +9,19 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import httpx
 import pytest
 
+from diag_server.testing import ServerProcess, free_port, make_server  # noqa: F401 - tests import them here
+
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = os.environ.setdefault("TRAINDX_TOKEN", "test-" + secrets.token_urlsafe(24))
 AUTH = {"authorization": f"Bearer {TOKEN}"}  # for raw HTTP calls to the servers the tests start
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sharded_job(body: str, timeout: float = 120) -> dict:
@@ -54,63 +47,6 @@ def sharded_job(body: str, timeout: float = 120) -> dict:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-@dataclass
-class ServerProcess:
-    url: str
-    port: int
-    data_dir: Path
-    proc: subprocess.Popen | None = None
-    extra_args: tuple[str, ...] = ()
-    env: dict | None = None  # a value of None removes the variable (e.g. TRAINDX_TOKEN: None)
-
-    @property
-    def token(self) -> str:
-        """The token this server requires: the one it was given, else the one it wrote in its data dir."""
-        env = {**os.environ, **(self.env or {})}
-        return env.get("TRAINDX_TOKEN") or (self.data_dir / "token").read_text().strip()
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.token}"}
-
-    def client(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, **kwargs)
-
-    def start(self, timeout: float = 120.0) -> None:  # generous: the CI machine may be loaded
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               **(self.env or {})}
-        env = {k: v for k, v in env.items() if v is not None}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diag_server.cli", "serve", "--port", str(self.port), "--data", str(self.data_dir),
-             *self.extra_args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise RuntimeError("server did not start in time")
-
-    def stop(self, sig: str = "term") -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill() if sig == "kill" else self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc = None
-
-
-def make_server(tmp_path: Path, *args: str, env: dict | None = None) -> ServerProcess:
-    port = free_port()
-    return ServerProcess(url=f"http://127.0.0.1:{port}", port=port, data_dir=tmp_path / "data",
-                         extra_args=args, env=env)
 
 
 @pytest.fixture
