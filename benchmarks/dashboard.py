@@ -31,10 +31,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.screenshot import CHROMIUM_ARGS, start_server  # noqa: E402
+from diag_server.testing import serve  # noqa: E402
+from scripts.screenshot import CHROMIUM_ARGS  # noqa: E402
 
 GOALS = {"first_paint_ms": 1000.0, "live_update_ms": 500.0}
-TOKEN = "bench-dashboard-" + uuid.uuid4().hex
 
 
 def train(url: str, run: str, layers: int, steps: int, interval: int) -> object:
@@ -51,7 +51,7 @@ def train(url: str, run: str, layers: int, steps: int, interval: int) -> object:
         blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     model = torch.nn.Sequential(*blocks, torch.nn.Linear(width, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    probe = probes.attach(model, opt, run=run, server=url, token=TOKEN, interval=interval,
+    probe = probes.attach(model, opt, run=run, server=url, interval=interval,
                           config={"layers": layers, "width": width, "lr": 0.01, "steps": steps})
     x, y = torch.randn(256, width), torch.randn(256, 1)
     t0 = time.perf_counter()
@@ -159,19 +159,19 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TRAINDX_SPOOL"] = os.path.join(tmp, "spool")
-        proc, url = start_server(os.path.join(tmp, "data"), token=TOKEN)
+        server = serve(os.path.join(tmp, "data"))  # its token in TRAINDX_TOKEN, made up when unset
+        url, token = server.url, server.token
         run = "bench-100-layers"
         try:
             print(f"training {args.layers} layers for {args.steps} steps, sampled every {args.interval} ...", flush=True)
             probe = train(url, run, args.layers, args.steps, args.interval)
             rows = httpx.get(f"{url}/v1/runs/{run}/heatmap?collection=gradients",
-                             headers={"authorization": f"Bearer {TOKEN}"}).json()
+                             headers=server.headers).json()
             print(f"the run: {len(rows['tensors'])} gradient tensors, {len(rows['steps'])} sampled steps")
-            m = measure(url, run, args.steps, args.repeats, args.chromium, TOKEN)
+            m = measure(url, run, args.steps, args.repeats, args.chromium, token)
             probe.close()
         finally:
-            proc.terminate()
-            proc.wait(10)
+            server.stop()
     report(m)
     return 0
 

@@ -13,50 +13,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from diag_server.client import Client  # noqa: E402
+from diag_server.testing import serve  # noqa: E402
 from scripts.live_run import LiveRun  # noqa: E402
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 WIDTH = 1400
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(data_dir: str, token: str | None = None) -> tuple[subprocess.Popen, str]:
-    """A `traindx serve` on a free port with its data in ``data_dir`` (and ``token``, when given)."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    if token:
-        env["TRAINDX_TOKEN"] = token
-    proc = subprocess.Popen([sys.executable, "-m", "diag_server.cli", "serve", "--port", str(port), "--data", data_dir],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("the server did not start")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    token = "screenshot-" + uuid.uuid4().hex
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TRAINDX_SPOOL"] = os.path.join(tmp, "spool")  # nothing left over from another run
-        proc, url = start_server(os.path.join(tmp, "data"), token)
+        server = serve(os.path.join(tmp, "data"))  # its token in TRAINDX_TOKEN, made up when unset
+        url, token = server.url, server.token
         baseline = LiveRun(url, "mlp-baseline", interval=5, step_sleep=0.003, lr=0.01, hidden=64, seed=1,
                            token=token).start()
         broken = LiveRun(url, "mlp-lr-spike", interval=5, step_sleep=0.003, token=token).start()
@@ -110,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             broken.stop()
             baseline.stop()
-            proc.terminate()
-            proc.wait(10)
+            server.stop()
     for name in ("dashboard.png", "dashboard-runs.png", "dashboard-compare.png"):
         print(f"wrote {out / name}")
     return 0
