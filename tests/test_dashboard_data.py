@@ -202,17 +202,18 @@ def test_the_lightning_trainer_sends_the_modules_hparams_and_its_settings() -> N
                                                batch_size=self.hparams.batch_size)
 
     class Module(L.LightningModule):
-        def __init__(self, lr: float = 0.05, hidden: int = 16, optim: Optim = Optim(), act: Act = Act.gelu,
+        def __init__(self, lr: float = 0.05, hidden: int = 16, optim: Optim | None = None, act: Act = Act.gelu,
                      batch_size: int = 4) -> None:
             super().__init__()
-            self.save_hyperparameters()
+            self.save_hyperparameters({"lr": lr, "hidden": hidden, "optim": optim or Optim(), "act": act,
+                                       "batch_size": batch_size})
             self.net = mlp(hidden=hidden)
 
-        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        def training_step(self, batch, batch_idx):
             x, y = batch
             return torch.nn.functional.mse_loss(self.net(x), y)
 
-        def configure_optimizers(self):  # noqa: ANN201
+        def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
     sink = MemorySink()
