@@ -209,12 +209,11 @@ def run(transports: tuple[str, ...] = ("http", "stdio")) -> Result:
 
 def check_transport_on_a_fresh_server(launcher: Path, transport: str, result: Result) -> None:
     from agent_examples.jobs import lr_spike_job
-    from diag_server.demo import _free_port, start_server
+    from diag_server.testing import serve
 
     data = tempfile.mkdtemp(prefix="traindx-inspector-")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(data, port)
+    server = serve(data)
+    url = server.url
     token = os.environ["TRAINDX_TOKEN"]
     stop = threading.Event()
     job = threading.Thread(target=lr_spike_job, daemon=True, kwargs=dict(
@@ -232,8 +231,7 @@ def check_transport_on_a_fresh_server(launcher: Path, transport: str, result: Re
     finally:
         stop.set()
         job.join(30)
-        server.terminate()
-        server.wait(10)
+        server.stop()
         shutil.rmtree(data, ignore_errors=True)
 
 

@@ -82,14 +82,13 @@ SCENARIOS: dict[str, tuple[dict, Callable[[Any, str, Any], Awaitable[None]]]] = 
 
 
 def record(name: str, out_dir: Path = HERE) -> Path:
-    from diag_server.demo import _free_port, start_server
+    from diag_server.testing import serve
 
     spec, scenario = SCENARIOS[name]
     data = tempfile.mkdtemp(prefix=f"traindx-record-{name}-")
     os.environ["TRAINDX_SPOOL"] = os.path.join(data, "spool")
-    port = _free_port()
-    server = start_server(data, port)
-    url = f"http://127.0.0.1:{port}"
+    server = serve(data)
+    url = server.url
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.jsonl"
     try:
@@ -103,8 +102,7 @@ def record(name: str, out_dir: Path = HERE) -> Path:
         asyncio.run(go())
         job.join()
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
     return path
 
 

@@ -19,7 +19,17 @@ def _data_option(f):  # noqa: ANN001
                         help="Data directory (SQLite store). Env: TRAINDX_DATA.")(f)
 
 
-@click.group()
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> object:
+        from .store import SchemaError
+
+        try:
+            return super().invoke(ctx)
+        except SchemaError as e:  # a store written by a newer traindx: say so, no traceback
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=_Group)
 @click.version_option(package_name="traindx")
 def main() -> None:
     """traindx: look inside a running PyTorch training job, find what is wrong, fix it live."""
@@ -76,6 +86,9 @@ def _origins(ctx: click.Context, param: click.Parameter, value: tuple[str, ...])
               metavar="SCHEME://HOST[:PORT]",
               help="Another browser origin that may use the server besides its own pages (e.g. https://NAME "
                    "behind a TLS proxy); repeatable. Env: TRAINDX_ALLOW_ORIGINS (space-separated).")
+@click.option("--max-age-days", type=click.FloatRange(min=0.001, max=1e6), default=None,
+              envvar="TRAINDX_MAX_AGE_DAYS", help="Delete runs last heard from more than this many days ago "
+              "(checked at start, then at least hourly). Env: TRAINDX_MAX_AGE_DAYS.")
 @click.option("--max-data-mb", type=click.FloatRange(min=1, max=1e9), default=None, envvar="TRAINDX_MAX_DATA_MB",
               help="Size cap of the data directory: a warning from 80%, ingest refused (507; probes spool) at "
                    "the cap. Env: TRAINDX_MAX_DATA_MB.")
@@ -93,8 +106,8 @@ def _origins(ctx: click.Context, param: click.Parameter, value: tuple[str, ...])
               help="Switch a rule off. Repeatable. Env: TRAINDX_DISABLE_RULES.")
 @_data_option
 def serve(host: str, port: int, allow_remote: bool, token: str | None, open_reads: bool, allow_hosts: tuple[str, ...],
-          allow_origins: tuple[str, ...], max_data_mb: float | None, max_pending_ingest: int, log_level: str, rules: tuple[str, ...],
-          rule_params: tuple[str, ...], disabled: tuple[str, ...], data_dir: Path) -> None:
+          allow_origins: tuple[str, ...], max_age_days: float | None, max_data_mb: float | None,
+          max_pending_ingest: int, log_level: str, rules: tuple[str, ...], rule_params: tuple[str, ...], disabled: tuple[str, ...], data_dir: Path) -> None:
     """Serve ingest, the REST API (/v1), MCP over Streamable HTTP (/mcp) and health (/health)."""
     import uvicorn
 
@@ -112,7 +125,8 @@ def serve(host: str, port: int, allow_remote: bool, token: str | None, open_read
         raise click.BadParameter(str(e), param_hint="rules") from None
     settings = Settings(host=host, port=port, data_dir=data_dir, token=token, open_reads=open_reads,
                         allowed_hosts=allow_hosts, allowed_origins=allow_origins, max_pending_ingest=max_pending_ingest, engine=engine,
-                        max_data_bytes=int(max_data_mb * 1e6) if max_data_mb is not None else None)
+                        max_data_bytes=int(max_data_mb * 1e6) if max_data_mb is not None else None,
+                        max_age_s=max_age_days * 86400 if max_age_days is not None else None)
     app = create_app(settings)
     services = app.state.services
     where = "(given)" if token else str(data_dir / "token")
@@ -320,12 +334,20 @@ def report(files: tuple[Path, ...], run: str) -> None:
 
 @main.command()
 @click.option("--steps", type=int, default=1500, show_default=True, help="Training steps.")
-@click.option("--keep", is_flag=True, help="Keep the server running at the end so the data can be browsed.")
-def demo(steps: int, keep: bool) -> None:
+@click.option("--keep/--no-keep", default=None, help="Keep the server (and the dashboard) up at the end until "
+              "Ctrl-C. Default: when the output is a terminal.")
+def demo(steps: int, keep: bool | None) -> None:
     """A server, a training run that goes wrong, and an agent that finds and fixes it over MCP."""
-    from .demo import run_demo
+    import subprocess
 
-    sys.exit(run_demo(steps=steps, keep=keep))
+    # The demo is an example (agent_examples/demo.py), a consumer of the server: it runs in its own process.
+    cmd = [sys.executable, "-m", "agent_examples.demo", "--steps", str(steps)]
+    if keep is not None:
+        cmd.append("--keep" if keep else "--no-keep")
+    try:
+        sys.exit(subprocess.run(cmd).returncode)
+    except KeyboardInterrupt:  # the child got it too, and stops its server
+        sys.exit(130)
 
 
 @main.command("rules")

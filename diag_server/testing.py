@@ -117,4 +117,4 @@ def serve(data_dir: str | os.PathLike, *args: str, port: int | None = None, env:
     os.environ.setdefault("TRAINDX_TOKEN", secrets.token_urlsafe(32))
     port = port or free_port()
     return ServerProcess(url=f"http://127.0.0.1:{port}", port=port, data_dir=Path(data_dir), extra_args=args,
-                         env=env).start(timeout)
+                         env=env, log_path=Path(data_dir) / "server.log").start(timeout)

@@ -582,13 +582,3 @@ class System(Collection):
             except OSError:
                 pass
             self._statm = None
-
-
-COLLECTIONS: dict[str, type[Collection]] = {
-    c.name: c for c in (Weights, Gradients, Updates, Activations, System)
-}
-
-from .fisher import Fisher  # noqa: E402 - opt-in curvature for compression; it subclasses Collection above
-COLLECTIONS[Fisher.name] = Fisher
-from .embeddings import Embeddings  # noqa: E402 - per-row embedding dynamics; it subclasses Collection above
-COLLECTIONS[Embeddings.name] = Embeddings

@@ -22,7 +22,8 @@ from typing import Any, Mapping
 import torch
 
 from . import pruning
-from .fixes import Applied, FixRejected, Target, _need_optimizer, _number
+from .fisher import find
+from .fixes import Applied, FixRejected, Target, need_optimizer, number
 
 DEFAULT_SENSITIVITY_SPARSITIES = (0.5, 0.8, 0.9, 0.95)
 PRECISIONS = ("fp16", "bf16", "int8")
@@ -36,12 +37,6 @@ class _Handles:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-def find_fisher(probe: Any) -> Any:
-    from .fisher import find  # imported late: probes.fisher imports probes.collect, which the probe loads first
-
-    return find(probe)
 
 
 def _list(params: Mapping, key: str) -> list:
@@ -66,18 +61,18 @@ def _plan(t: Target, params: Mapping, bounds: Mapping) -> list[tuple[str, torch.
     hi = float(bounds.get("max_sparsity", 0.99))
     out = []
     for n, s, st in zip(names, sparsity, structures):
-        s = _number({"sparsity": s}, "sparsity", 0.0, hi)
+        s = number({"sparsity": s}, "sparsity", 0.0, hi)
         out.append((str(n), named[n], s, st))
     return out
 
 
 def prune(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
-    opt = _need_optimizer(t)
+    opt = need_optimizer(t)
     plan = _plan(t, params, bounds)
-    rounds = int(_number(params, "rounds", 1, bounds.get("max_rounds", 1000), 1))
+    rounds = int(number(params, "rounds", 1, bounds.get("max_rounds", 1000), 1))
     # every=0: all rounds now, one after another (iterative OBS, as WoodFisher's multi-step pruning).
-    every = int(_number(params, "every", 0, bounds.get("max_every", 1e7), 1))
-    fisher = find_fisher(t.probe)
+    every = int(number(params, "every", 0, bounds.get("max_every", 1e7), 1))
+    fisher = find(t.probe)
     saved = {n: p.detach().clone() for n, p, _, _ in plan}
     masks = {n: torch.ones_like(p, dtype=torch.bool) for n, p, _, _ in plan}
     state = {"round": 0, "steps": 0}
@@ -144,8 +139,8 @@ def sensitivity(t: Target, params: Mapping, bounds: Mapping) -> Applied:
     grid = params.get("sparsities", list(DEFAULT_SENSITIVITY_SPARSITIES))
     if not isinstance(grid, list) or not grid or len(grid) > 20:
         raise FixRejected("parameter 'sparsities' must be a list of 1 to 20 numbers")
-    grid = [_number({"s": s}, "s", 0.0, 0.999) for s in grid]
-    fisher = find_fisher(probe)
+    grid = [number({"s": s}, "s", 0.0, 0.999) for s in grid]
+    fisher = find(probe)
     weights = fisher.weights() if fisher is not None and fisher.layers else \
         [(n, p) for n, p in t.model.named_parameters() if p.dim() >= 2]
     if len(weights) > int(bounds.get("max_layers", 500)):

@@ -1,7 +1,8 @@
 """Fix actions as the job applies them, between two steps, within the bounds the job allowed.
 
 Each action validates its parameters against bounds (the job's, which the server cannot widen),
-applies itself, and returns the values before and after, plus an ``undo`` for ``revert_fix``.
+applies itself, and returns the values before and after, plus an ``undo`` for ``revert_fix``. The
+actions of other modules build on the helpers here; probes/registry.py lists them all (ACTIONS).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Target:
     deferred: dict[str, Callable[[], None]] | None = None
 
 
-def _number(params: Mapping, key: str, lo: float, hi: float, default: float | None = None) -> float:
+def number(params: Mapping, key: str, lo: float, hi: float, default: float | None = None) -> float:
     value = params.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise FixRejected(f"parameter {key!r} must be a finite number, got {value!r}")
@@ -65,10 +66,7 @@ def _number(params: Mapping, key: str, lo: float, hi: float, default: float | No
     return float(value)
 
 
-number = _number  # the public name, for actions kept in other modules (probes/embeddings/action.py)
-
-
-def _need_optimizer(t: Target) -> torch.optim.Optimizer:
+def need_optimizer(t: Target) -> torch.optim.Optimizer:
     if t.optimizer is None:
         raise FixRejected("this action needs the optimizer; pass it to probes.attach(model, optimizer)")
     return t.optimizer
@@ -115,7 +113,7 @@ def _scale_base_lrs(t: Target, before: dict[int, float], after: dict[int, float]
 
 
 def _lr_change(t: Target, params: Mapping, new_lr: Callable[[float], float]) -> Applied:
-    opt = _need_optimizer(t)
+    opt = need_optimizer(t)
     idx = _groups(opt, params)
     before = {i: float(opt.param_groups[i]["lr"]) for i in idx}
     after = {i: new_lr(lr) for i, lr in before.items()}
@@ -131,12 +129,12 @@ def _lr_change(t: Target, params: Mapping, new_lr: Callable[[float], float]) -> 
 
 
 def lr_scale(t: Target, params: Mapping, bounds: Mapping) -> Applied:
-    factor = _number(params, "factor", bounds.get("min_factor", 1e-4), bounds.get("max_factor", 10.0))
+    factor = number(params, "factor", bounds.get("min_factor", 1e-4), bounds.get("max_factor", 10.0))
     return _lr_change(t, params, lambda lr: lr * factor)
 
 
 def set_lr(t: Target, params: Mapping, bounds: Mapping) -> Applied:
-    lr = _number(params, "lr", bounds.get("min_lr", 0.0), bounds.get("max_lr", 10.0))
+    lr = number(params, "lr", bounds.get("min_lr", 0.0), bounds.get("max_lr", 10.0))
     return _lr_change(t, params, lambda _: lr)
 
 
@@ -149,7 +147,7 @@ class _DeferredHandle:
 
 
 def _step_pre_hook(t: Target, fix_id: str, fn: Callable[[], None]) -> Undo:
-    opt = _need_optimizer(t)
+    opt = need_optimizer(t)
 
     def hook(*_: Any) -> None:  # a step pre-hook that returns anything but None replaces the step's args
         fn()
@@ -170,7 +168,7 @@ def _step_pre_hook(t: Target, fix_id: str, fn: Callable[[], None]) -> Undo:
 
 
 def _trainable(t: Target) -> list[torch.nn.Parameter]:
-    opt = _need_optimizer(t)
+    opt = need_optimizer(t)
     return [p for g in opt.param_groups for p in g["params"]]
 
 
@@ -189,17 +187,17 @@ def grad_clip(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Appli
                            "call torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) in the training loop "
                            "before optimizer.step(), or clip by value (clip_value)")
     if "clip_value" in params:
-        value = _number(params, "clip_value", bounds.get("min_value", 1e-8), bounds.get("max_value", 1e6))
+        value = number(params, "clip_value", bounds.get("min_value", 1e-8), bounds.get("max_value", 1e6))
         undo = _step_pre_hook(t, fix_id, lambda: torch.nn.utils.clip_grad_value_(ps, value))
         return Applied({"clip_value": None}, {"clip_value": value}, undo)
     if "relative" in params:
-        factor = _number(params, "relative", bounds.get("min_relative", 0.1), bounds.get("max_relative", 100.0))
-        window = int(_number(params, "window", 1, 100_000)) if "window" in params else RELATIVE_CLIP_WINDOW
-        cap = (_number(params, "max_norm", bounds.get("min_norm", 1e-8), bounds.get("max_norm", 1e6))
+        factor = number(params, "relative", bounds.get("min_relative", 0.1), bounds.get("max_relative", 100.0))
+        window = int(number(params, "window", 1, 100_000)) if "window" in params else RELATIVE_CLIP_WINDOW
+        cap = (number(params, "max_norm", bounds.get("min_norm", 1e-8), bounds.get("max_norm", 1e6))
                if "max_norm" in params else None)
         undo = _step_pre_hook(t, fix_id, _relative_clip(ps, factor, window, cap))
         return Applied({"max_norm": None}, {"relative": factor, "window": window, "max_norm": cap}, undo)
-    max_norm = _number(params, "max_norm", bounds.get("min_norm", 1e-8), bounds.get("max_norm", 1e6))
+    max_norm = number(params, "max_norm", bounds.get("min_norm", 1e-8), bounds.get("max_norm", 1e6))
     undo = _step_pre_hook(t, fix_id, lambda: torch.nn.utils.clip_grad_norm_(ps, max_norm))
     return Applied({"max_norm": None}, {"max_norm": max_norm}, undo)
 
@@ -274,7 +272,7 @@ def _matching(t: Target, pattern: Any) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
-    factor = _number(params, "factor", bounds.get("min_factor", 1e-4), bounds.get("max_factor", 100.0))
+    factor = number(params, "factor", bounds.get("min_factor", 1e-4), bounds.get("max_factor", 100.0))
     found = _matching(t, params.get("pattern"))
 
     def scale() -> None:
@@ -324,7 +322,7 @@ def unfreeze(t: Target, params: Mapping, bounds: Mapping) -> Applied:
         return applied
     group: dict[str, Any] = {"params": [by_name[n] for n in missing]}
     if "lr" in params:
-        group["lr"] = _number(params, "lr", bounds.get("min_lr", 0.0), bounds.get("max_lr", 10.0))
+        group["lr"] = number(params, "lr", bounds.get("min_lr", 0.0), bounds.get("max_lr", 10.0))
     opt.add_param_group(group)
     added = opt.param_groups[-1]
     undo_flags = applied.undo
@@ -353,7 +351,7 @@ def rollback(t: Target, params: Mapping, bounds: Mapping) -> Applied:
                           "probes.attach(..., allow={'rollback': {'every': 50}, ...})")
     before_step = params.get("before_step")
     if before_step is not None:
-        before_step = int(_number(params, "before_step", 0, 2**53))
+        before_step = int(number(params, "before_step", 0, 2**53))
     snap = buf.latest(before_step)
     kept = [s.step for s in buf.kept()]
     if snap is None:
@@ -361,7 +359,7 @@ def rollback(t: Target, params: Mapping, bounds: Mapping) -> Applied:
                           + f" is kept (kept: steps {kept or 'none'}; one is taken every {buf.every} steps "
                           "when the loss and weights are finite)")
     min_step = params.get("min_step")
-    if min_step is not None and snap.step < int(_number(params, "min_step", 0, 2**53)):
+    if min_step is not None and snap.step < int(number(params, "min_step", 0, 2**53)):
         raise FixRejected(f"the newest snapshot from before step {before_step} is from step {snap.step}, older than "
                           f"step {int(min_step)}: rolling back that far would lose more than it saves (kept: steps "
                           f"{kept})")
@@ -373,7 +371,7 @@ def rollback(t: Target, params: Mapping, bounds: Mapping) -> Applied:
     settings = params.get("settings", False)
     if not isinstance(settings, bool):
         raise FixRejected("parameter 'settings' must be true or false")
-    new_lr = _number(params, "lr", bounds.get("min_lr", 0.0), bounds.get("max_lr", 10.0)) if "lr" in params else None
+    new_lr = number(params, "lr", bounds.get("min_lr", 0.0), bounds.get("max_lr", 10.0)) if "lr" in params else None
     lr_now = [float(g["lr"]) for g in t.optimizer.param_groups] if t.optimizer is not None else []
     buf.restore(snap, settings=settings)
     if new_lr is not None and t.optimizer is not None:
@@ -386,14 +384,8 @@ def rollback(t: Target, params: Mapping, bounds: Mapping) -> Applied:
                     "snapshot_bytes": snap.nbytes, "lr": lr_after}, None)
 
 
-def reinit_dead_units(t: Target, params: Mapping, bounds: Mapping) -> Applied | Deferred:
-    from .reinit import reinit_dead_units as impl  # lives with the forward hook that finds the dead units
-
-    return impl(t, params, bounds)
-
-
 def set_probe(t: Target, params: Mapping, bounds: Mapping) -> Applied:
-    interval = int(_number(params, "interval", bounds.get("min_interval", 1), bounds.get("max_interval", 100000)))
+    interval = int(number(params, "interval", bounds.get("min_interval", 1), bounds.get("max_interval", 100000)))
     probe = t.probe
     old = probe.interval
     probe.set_interval(interval)
@@ -403,42 +395,3 @@ def set_probe(t: Target, params: Mapping, bounds: Mapping) -> Applied:
         return {"interval": old}
 
     return Applied({"interval": old}, {"interval": interval}, undo)
-
-
-def embedding_grad_scale(t: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied:
-    from .embeddings import embedding_grad_scale as impl  # lives with the statistics it reads
-
-    return impl(t, params, bounds, fix_id)
-
-
-# Actions that take the fix id (they register a hook under it) are listed in _HOOKED.
-ACTIONS: dict[str, Callable[..., Applied]] = {
-    "lr_scale": lr_scale,
-    "set_lr": set_lr,
-    "grad_clip": grad_clip,
-    "skip_nonfinite": skip_nonfinite,
-    "grad_scale": grad_scale,
-    "freeze": freeze,
-    "unfreeze": unfreeze,
-    "set_probe": set_probe,
-    "embedding_grad_scale": embedding_grad_scale,
-    "rollback": rollback,
-    "reinit_dead_units": reinit_dead_units,
-}
-# What cannot be undone: a rollback discards the state it replaced, by design (keeping it would double
-# the memory the job allowed for snapshots).
-IRREVERSIBLE = {"rollback"}
-_HOOKED = {"grad_clip", "skip_nonfinite", "grad_scale", "embedding_grad_scale"}
-
-from .compress_actions import prune, sensitivity  # noqa: E402 - they build on the helpers above
-ACTIONS.update(prune=prune, sensitivity=sensitivity)
-_HOOKED.add("prune")
-
-
-def apply(action: str, target: Target, params: Mapping, bounds: Mapping, fix_id: str) -> Applied | Deferred:
-    fn = ACTIONS.get(action)
-    if fn is None:
-        raise FixRejected(f"this version of the probe cannot apply {action!r} live")
-    if action in _HOOKED:
-        return fn(target, params, bounds, fix_id)
-    return fn(target, params, bounds)

@@ -22,12 +22,13 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from . import fixes, quantiles, run_config, signals
+from . import fixes, quantiles, registry, run_config, signals
 from .capture import Capture
 from .agreement import Agreement
 from .amp import ScalerWatch
-from .collect import COLLECTIONS, Collection, HostCopy, Phases
+from .collect import Collection, HostCopy, Phases
 from .context import Clock, Timeline, UserSpan, new_user_spans, world
+from .registry import COLLECTIONS
 from .rollback import RollbackBuffer
 from .sender import Sender
 from .sinks import FileSink, HttpSink, Sink
@@ -41,7 +42,6 @@ DEFAULT_SERVER = "http://127.0.0.1:8765"
 # costs ~0.1% of a 3 ms step of a 186k-parameter CPU MLP, against ~4% at 50 (benchmarks/overhead.py).
 DEFAULT_INTERVAL = 100
 DEFAULT_COLLECTIONS = ("weights", "gradients", "updates", "activations", "system", "timeline")
-KNOWN_COLLECTIONS: dict[str, type[Collection]] = {**COLLECTIONS, Timeline.name: Timeline}
 TRAIN = "train"
 MODE_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 # After this many internal errors the probe stops sampling altogether rather than keep failing.
@@ -189,11 +189,11 @@ class Probe:
         wanted = collections if collections is not None else DEFAULT_COLLECTIONS
         items = wanted.items() if isinstance(wanted, Mapping) else ((c, None) for c in wanted)
         for name, every in items:
-            if name not in KNOWN_COLLECTIONS:
-                raise ValueError(f"unknown collection {name!r}; known: {sorted(KNOWN_COLLECTIONS)}")
+            if name not in COLLECTIONS:
+                raise ValueError(f"unknown collection {name!r}; known: {sorted(COLLECTIONS)}")
             if every is not None:
                 every = _steps(f"collection {name!r}: its interval", every, " (leave a collection out to turn it off)")
-            self.collections.append(KNOWN_COLLECTIONS[name](self, every or interval))
+            self.collections.append(COLLECTIONS[name](self, every or interval))
         self._fixed_interval = {c.name for c in self.collections} if isinstance(wanted, Mapping) else set()
 
         if sink is None:
@@ -774,7 +774,7 @@ class Probe:
             return {**ack, "status": "rejected",
                     "reason": f"this job does not allow {action!r} (allowed: {sorted(self.allow) or 'none'})"}
         try:
-            applied = fixes.apply(action, self._target, cmd.get("params") or {}, self.allow[action], fix_id)
+            applied = registry.apply(action, self._target, cmd.get("params") or {}, self.allow[action], fix_id)
         except fixes.FixRejected as e:
             return {**ack, "status": "rejected", "reason": str(e)}
         except Exception as e:  # noqa: BLE001

@@ -169,7 +169,8 @@ def test_rollback_min_step_refuses_to_go_back_too_far():
 def test_relative_clip_follows_the_gradient_norm_down():
     """A clip relative to the running median keeps a spike at the size of an ordinary step, also once the
     ordinary steps are far below the cap; until there is a history, the cap holds."""
-    from probes.fixes import Target, apply
+    from probes.fixes import Target
+    from probes.registry import apply
 
     model = torch.nn.Linear(4, 1, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)

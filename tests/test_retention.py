@@ -97,3 +97,32 @@ def test_size_cap_warns_before_it_is_reached_and_then_refuses_ingest(tmp_path: P
             assert "ingest is refused" in r.json()["message"]
     finally:
         srv.stop()
+
+
+def test_runs_older_than_the_age_limit_are_deleted_and_recent_ones_kept(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`traindx serve --max-age-days 1`: a run last heard from two days ago is gone soon after start, with
+    every row of it; a run from an hour ago stays."""
+    monkeypatch.chdir(tmp_path)  # the probes' event files go to ./.traindx/runs
+    for run in ("two-days-old", "an-hour-old"):
+        p = probes.attach(torch.nn.Linear(2, 1), run=run, server=False, spool_dir=tmp_path / "spool")
+        p.step(loss=1.0)
+        p.close()
+        r = CliRunner().invoke(main, ["import", f".traindx/runs/{run}.jsonl", "--data", str(tmp_path / "data")])
+        assert r.exit_code == 0, r.output
+    now = time.time()
+    with sqlite3.connect(tmp_path / "data" / "traindx.sqlite") as conn:
+        conn.execute("UPDATE runs SET last_seen=? WHERE run='two-days-old'", (now - 2 * 86400,))
+        conn.execute("UPDATE runs SET last_seen=? WHERE run='an-hour-old'", (now - 3600,))
+    srv = make_server(tmp_path, "--max-age-days", "1")
+    srv.start()
+    try:
+        with srv.client() as c:
+            deadline = time.monotonic() + 60
+            while c.get("/v1/runs/two-days-old").status_code != 404 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert c.get("/v1/runs/two-days-old").status_code == 404
+            assert c.get("/v1/runs/an-hour-old").status_code == 200
+    finally:
+        srv.stop()
+    assert _loss(tmp_path / "data", "two-days-old") == []
+    assert len(_loss(tmp_path / "data", "an-hour-old")) == 1

@@ -1,4 +1,5 @@
-"""Retention: export a run as JSON lines, delete it, and keep the data directory under its size cap.
+"""Retention: export a run as JSON lines, delete it, keep the data directory under its size cap, and
+delete runs nobody has heard from for longer than the age limit.
 
 An export is a file ``traindx import`` loads back: the run's events as ``IngestBatch`` lines (the same
 form a probe's FileSink writes, with deterministic batch ids, so importing it twice stores it once),
@@ -12,6 +13,7 @@ import hashlib
 import logging
 import os
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -211,3 +213,51 @@ class SizeGuard:
         if self.max_bytes is not None and self.used() >= self.max_bytes:
             raise ApiError(507, "data_dir_full", self.warning() or "the data directory is at its size cap",
                            headers={"Retry-After": "30"})
+
+
+# -- age limit -----------------------------------------------------------------------------------------
+def runs_older_than(store: Store, max_age_s: float, now: float | None = None) -> list[str]:
+    """Runs last heard from more than ``max_age_s`` seconds ago (never one still streaming)."""
+    cutoff = (time.time() if now is None else now) - max(max_age_s, STALE_AFTER_S)
+    rows = store.read().execute("SELECT run FROM runs WHERE coalesce(last_seen, created_at, 0) < ? ORDER BY run",
+                                (cutoff,)).fetchall()
+    return [r["run"] for r in rows]
+
+
+class AgeSweeper:
+    """Deletes the runs older than the age limit: once at start, then every ``every_s`` seconds, on a
+    thread of its own (a deletion goes through the store's writer like any other write)."""
+
+    def __init__(self, store: Store, max_age_s: float, *, engine: Any = None, every_s: float | None = None) -> None:
+        self.store, self.max_age_s, self.engine = store, max_age_s, engine
+        # Often enough that a run outlives its limit by a tenth of it at most, and at most hourly.
+        self.every_s = every_s if every_s is not None else min(max(max_age_s / 10, 60.0), 3600.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="traindx-retention", daemon=True)
+
+    def start(self) -> "AgeSweeper":
+        self._thread.start()
+        return self
+
+    def sweep(self) -> list[str]:
+        deleted = []
+        for run in runs_older_than(self.store, self.max_age_s):
+            try:
+                delete_run(self.store, run, engine=self.engine)
+                deleted.append(run)
+            except ApiError as e:  # it came back to life, or went, since it was listed
+                log.info("traindx: retention left run %r: %s", run, e.message)
+        return deleted
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 - a failed sweep is tried again at the next; the server goes on
+                log.exception("traindx: the retention sweep failed")
+            self._stop.wait(self.every_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)

@@ -8,7 +8,7 @@ from pathlib import Path
 import logging
 
 from ..engine import Engine, EngineSettings
-from .retention import SizeGuard
+from .retention import AgeSweeper, SizeGuard
 from ..store import Store
 
 log = logging.getLogger("traindx.server")
@@ -28,6 +28,8 @@ class Settings:
     # Size cap of the data directory in bytes (None: no cap). A warning from 80% of it; ingest is
     # refused with 507 at the cap, so probes spool instead of filling the disk.
     max_data_bytes: int | None = None
+    # Runs last heard from longer ago than this (seconds) are deleted (None: kept until deleted by hand).
+    max_age_s: float | None = None
     # Ingest requests waiting for the writer at once; beyond it, 503 + Retry-After (probes back off).
     max_pending_ingest: int = 16
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -44,6 +46,10 @@ class Services:
             log.error("traindx: the store %s failed its integrity check: %s", self.store.path, self.store_status)
         self.size_guard = SizeGuard(settings.data_dir, settings.max_data_bytes)
         self.pending_ingest = 0  # ingest requests waiting for the writer (changed on the event loop only)
+        self.sweeper = (AgeSweeper(self.store, settings.max_age_s, engine=self.engine).start()
+                        if settings.max_age_s is not None else None)
 
     def close(self) -> None:
+        if self.sweeper is not None:
+            self.sweeper.stop()
         self.store.close()

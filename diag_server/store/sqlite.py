@@ -1,4 +1,4 @@
-"""The store: one SQLite file in WAL mode, one writer thread, readers on their own connections.
+"""The SQLite store: one file in WAL mode, one writer thread, readers on their own connections.
 
 As in datasette, every write is a function handed to the writer thread (``write(fn)``), so writes are
 serialised without locks in callers, and each is atomic: a batch is stored whole or not at all.
@@ -22,75 +22,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from .schema import migrate
+
 T = TypeVar("T")
 
 # Writes committed together at most (see the module docstring): enough for a few dozen ranks' batches,
 # few enough that one commit stays well under a second.
 MAX_GROUP = 32
-
-# Columns of the stats table beyond (run, step, collection, tensor), in StatRow's field order.
-STAT_COLUMNS = ("numel", "norm", "mean", "std", "min", "max", "nan_count", "inf_count", "zero_frac",
-                "dead_frac", "saturated_frac", "update_ratio")
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
-CREATE TABLE IF NOT EXISTS runs(
-    run TEXT PRIMARY KEY, created_at REAL, last_seen REAL, last_step INTEGER DEFAULT 0,
-    ended INTEGER DEFAULT 0, start TEXT);
-CREATE TABLE IF NOT EXISTS batches(
-    batch_id TEXT PRIMARY KEY, run TEXT, seq INTEGER, received REAL, events INTEGER);
-CREATE TABLE IF NOT EXISTS scalars(run TEXT, step INTEGER, name TEXT, value REAL, time REAL, rank INTEGER DEFAULT 0);
-CREATE INDEX IF NOT EXISTS scalars_by_name ON scalars(run, name, step);
-CREATE TABLE IF NOT EXISTS stats(
-    run TEXT, step INTEGER, collection TEXT, tensor TEXT, numel INTEGER, norm REAL, mean REAL, std REAL,
-    min REAL, max REAL, nan_count INTEGER, inf_count INTEGER, zero_frac REAL, dead_frac REAL,
-    saturated_frac REAL, update_ratio REAL, rank INTEGER DEFAULT 0, quantiles BLOB);
-CREATE INDEX IF NOT EXISTS stats_by_tensor ON stats(run, collection, tensor, step);
-CREATE INDEX IF NOT EXISTS stats_by_step ON stats(run, step);
-CREATE TABLE IF NOT EXISTS messages(run TEXT, step INTEGER, time REAL, level TEXT, text TEXT, rank INTEGER DEFAULT 0);
-CREATE INDEX IF NOT EXISTS messages_by_run ON messages(run);
-CREATE TABLE IF NOT EXISTS anomalies(
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, kind TEXT, severity TEXT, status TEXT,
-    first_step INTEGER, last_step INTEGER, resolved_step INTEGER, tensors TEXT, message TEXT, evidence TEXT,
-    rule TEXT, key TEXT, created_at REAL, updated_at REAL, snapshot TEXT);
-CREATE INDEX IF NOT EXISTS anomalies_by_run ON anomalies(run, status, kind);
-CREATE TABLE IF NOT EXISTS fixes(
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, anomaly_id TEXT, action TEXT, params TEXT,
-    rationale TEXT, expected_effect TEXT, risk TEXT, live INTEGER, rank INTEGER, status TEXT, reason TEXT,
-    requested_by TEXT, created_at REAL, updated_at REAL, applied_step INTEGER, before TEXT, after TEXT,
-    pending_op TEXT, verify TEXT);
-CREATE INDEX IF NOT EXISTS fixes_by_run ON fixes(run, status);
-CREATE TABLE IF NOT EXISTS audit(run TEXT, time REAL, actor TEXT, action TEXT, fix_id TEXT, detail TEXT);
-CREATE INDEX IF NOT EXISTS audit_by_run ON audit(run, time);
-CREATE TABLE IF NOT EXISTS layer_profiles(
-    run TEXT, source TEXT, name TEXT, step INTEGER, data TEXT, PRIMARY KEY(run, source, name));
-CREATE TABLE IF NOT EXISTS rule_state(run TEXT, rule TEXT, state TEXT, PRIMARY KEY(run, rule));
-CREATE TABLE IF NOT EXISTS embedding_tables(
-    run TEXT, rank INTEGER, name TEXT, step INTEGER, summary TEXT, PRIMARY KEY(run, rank, name));
-CREATE TABLE IF NOT EXISTS snapshots(
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, anomaly_id TEXT, tensors TEXT, status TEXT,
-    created_at REAL, updated_at REAL, step INTEGER);
-CREATE TABLE IF NOT EXISTS ranks(
-    run TEXT, rank INTEGER, local_rank INTEGER DEFAULT 0, host TEXT DEFAULT '', world_size INTEGER DEFAULT 1,
-    last_seen REAL, last_step INTEGER DEFAULT 0, ended INTEGER DEFAULT 0, PRIMARY KEY(run, rank));
-CREATE TABLE IF NOT EXISTS spans(
-    run TEXT, rank INTEGER, step INTEGER, mode TEXT, name TEXT, category TEXT, start REAL, duration REAL,
-    gpu_duration REAL);
-CREATE INDEX IF NOT EXISTS spans_by_step ON spans(run, step, rank);
-CREATE TABLE IF NOT EXISTS fix_acks(fix_id TEXT, op TEXT, rank INTEGER, status TEXT, reason TEXT,
-    PRIMARY KEY(fix_id, op, rank));
-CREATE TABLE IF NOT EXISTS captures(
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, run TEXT, steps INTEGER, profile INTEGER, status TEXT,
-    requested_by TEXT, created_at REAL, updated_at REAL);
-CREATE TABLE IF NOT EXISTS capture_results(
-    capture_id TEXT, run TEXT, rank INTEGER, status TEXT, reason TEXT, first_step INTEGER, last_step INTEGER,
-    profiled INTEGER, ops TEXT, shapes TEXT, trace TEXT, trace_dropped TEXT, PRIMARY KEY(capture_id, rank));
-"""
-# Columns added after a table was first released: (table, column, declaration). Stores made before them
-# get the column on open; rows already there read as rank 0, which is what a one-process run is.
-ADDED_COLUMNS = [("scalars", "rank", "INTEGER DEFAULT 0"), ("stats", "rank", "INTEGER DEFAULT 0"),
-                 ("messages", "rank", "INTEGER DEFAULT 0"), ("stats", "quantiles", "BLOB")]
-
 
 def pack_quantiles(values: list[float | None] | None) -> bytes | None:
     """A stats row's quantiles (StatRow.quantiles) as stored: little-endian doubles, NaN for a null; none
@@ -101,6 +39,7 @@ def pack_quantiles(values: list[float | None] | None) -> bytes | None:
 
 
 def unpack_quantiles(blob: bytes | None) -> list[float | None] | None:
+    """What pack_quantiles stored, back: None for a row without quantiles, a NaN read as null."""
     if blob is None:
         return None
     return [None if v != v else v for v in struct.unpack(f"<{len(blob) // 8}d", blob)]
@@ -132,11 +71,11 @@ class Store:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.path = str(self.data_dir / "traindx.sqlite")
         self._writer = _connect(self.path)
-        self._writer.executescript(SCHEMA)
-        for table, column, decl in ADDED_COLUMNS:
-            have = {r[1] for r in self._writer.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                self._writer.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+        try:
+            self.schema_version = migrate(self._writer)
+        except BaseException:
+            self._writer.close()
+            raise
         self._local = threading.local()
         self._jobs: queue.Queue[tuple[Callable[[sqlite3.Connection], Any], Future] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._write_loop, name="traindx-store-writer", daemon=True)

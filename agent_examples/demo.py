@@ -2,61 +2,38 @@
 
 Everything is real: a `traindx serve` process on a free port with a temporary data directory, a
 PyTorch training loop with the probe attached, and the scripted agent talking to the server over the
-official MCP client (Streamable HTTP).
+official MCP client (Streamable HTTP). The traindx command starts this module in a child process
+(``python -m agent_examples.demo``): the server's package never imports the examples.
+
+Run from a terminal, the server stays up at the end, with the dashboard's link, until Ctrl-C; otherwise
+(``--no-keep``, or output to a pipe) it stops with the demo and no link is printed.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
-import secrets
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
+from urllib.parse import quote
 
-import httpx
+from agent_examples.jobs import lr_spike_job
+from agent_examples.scripted_agent import connect, triage
+from diag_server.testing import serve
 
 RUN = "demo-lr-spike"
 FAULT_STEP = 500
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(data_dir: str, port: int) -> subprocess.Popen:
-    """`traindx serve` on loopback. Its token goes in this process's TRAINDX_TOKEN (made up when unset),
-    which the server, the probes and the MCP clients started from here all read (docs/security.md)."""
-    os.environ.setdefault("TRAINDX_TOKEN", secrets.token_urlsafe(32))
-    proc = subprocess.Popen([sys.executable, "-m", "diag_server.cli", "serve", "--port", str(port), "--data", data_dir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the server exited: " + proc.stderr.read().decode()[-2000:])
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the server did not start within 30 s")
-
-
 def run_demo(steps: int = 1500, keep: bool = False) -> int:
-    from agent_examples.jobs import lr_spike_job
-    from agent_examples.scripted_agent import connect, triage
-
     data_dir = tempfile.mkdtemp(prefix="traindx-demo-")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    print(f"[demo] starting traindx serve on {url} (data in {data_dir})")
-    server = start_server(data_dir, port)
+    print(f"[demo] starting traindx serve (data in {data_dir})")
+    server = serve(os.path.join(data_dir, "data"))
+    url = server.url
+    print(f"[demo] serving on {url}")
     os.environ["TRAINDX_SERVER"] = url
     os.environ["TRAINDX_SPOOL"] = os.path.join(data_dir, "spool")
     try:
@@ -93,19 +70,32 @@ def run_demo(steps: int = 1500, keep: bool = False) -> int:
                   f"({fix['before']} -> {fix['after']}); verdict: {fix['status']}")
         print(f"loss    : {before:.4f} before the fault, {worst:.4g} at its worst, {after:.4f} at the end "
               f"(without the fix: {unfixed:.4g})")
-        print(f"browse  : {url}/  |  {url}/v1/runs/{RUN}/anomalies  |  {url}/v1/runs/{RUN}/audit  |  MCP {url}/mcp")
+        if keep:  # the link carries the token once: the page sets its cookie and drops it from the address
+            token = quote(os.environ["TRAINDX_TOKEN"], safe="")
+            print(f"browse  : {url}/runs/{RUN}?token={token}  |  MCP {url}/mcp  |  HTTP {url}/v1/runs/{RUN}")
         recovered = bool(fix) and fix["status"] == "effective" and after < 2 * before
         print(f"result  : {'recovered' if recovered else 'NOT recovered'}")
         if keep:
-            print("[demo] server kept running; press Ctrl-C to stop")
+            print("[demo] the server keeps running for the links above; press Ctrl-C to stop it")
             try:
-                server.wait()
+                server.proc.wait()
             except KeyboardInterrupt:
                 pass
         return 0 if recovered else 1
     finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="traindx demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--keep", action=argparse.BooleanOptionalAction, default=None,
+                    help="keep the server (and the dashboard) up at the end until Ctrl-C; default: when the "
+                         "output is a terminal")
+    args = ap.parse_args(argv)
+    keep = sys.stdout.isatty() if args.keep is None else args.keep
+    return run_demo(steps=args.steps, keep=keep)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
