@@ -14,7 +14,7 @@ import orjson
 
 from schemas.events import IngestBatch
 
-from .diagnosis import diagnose
+from .read.diagnosis import diagnose
 from .pipeline.engine import Engine
 from .pipeline.ingest import ingest
 from .store import Store

@@ -125,7 +125,7 @@ assert "diag_server" not in sys.modules, "the report ran the server's rules in t
 
 
 def test_diagnosis_links_consequences_and_compares_with_an_earlier_run_of_the_same_model(tmp_path):
-    from diag_server.diagnosis import diagnose
+    from diag_server.read.diagnosis import diagnose
     from diag_server.store import Store
 
     slow = recorded("slow_data_loader")
@@ -159,7 +159,7 @@ def test_diagnosis_links_consequences_and_compares_with_an_earlier_run_of_the_sa
 def test_embedding_anomalies_naming_the_same_ids_in_two_tables_are_one_problem(tmp_path):
     """An item table and its bias table, looked up with the same ids, both flag the items whose labels
     conflict: one problem in the data, not two. Tables of other sizes, or other ids, stay apart."""
-    from diag_server.diagnosis import diagnose
+    from diag_server.read.diagnosis import diagnose
     from diag_server.store import Store
     from tests.test_fix_proposers import RUN, _anomaly, _run
 
