@@ -30,7 +30,7 @@ class EngineSettings:
     # A fix is judged this many sampling intervals (and at least verify_min_steps) after it was applied,
     # sooner (from a quarter of that on) if its anomaly clears and the run is back near its healthy level.
     # 200 steps: the demo's loss needs ~100 steps to settle after a learning-rate fix, and the anomaly
-    # another 3 intervals to resolve (measurement here). What "back" means: diag_server/verdict.py.
+    # another 3 intervals to resolve (measurement here). What "back" means: diag_server/fixes/verdict.py.
     verify_after_intervals: int = 6
     verify_min_steps: int = 200
     # A run whose loss is still coming down at the end of the window is given up to this many windows.
