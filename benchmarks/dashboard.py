@@ -31,8 +31,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from diag_server.testing import serve
-from scripts.screenshot import CHROMIUM_ARGS
+from diag_server.testing import serve  # noqa: E402 - after the checkout is on sys.path
+from scripts.screenshot import CHROMIUM_ARGS  # noqa: E402
 
 GOALS = {"first_paint_ms": 1000.0, "live_update_ms": 500.0}
 
