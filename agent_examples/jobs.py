@@ -334,7 +334,7 @@ def recommender_job(*, run: str, steps: int = 900, toggling: int = 8, pace: floa
                           collections=[*probes.probe.DEFAULT_COLLECTIONS, "embeddings"],
                           allow=RECOMMENDER_ALLOW if allow is None else allow, **(probe_kwargs or {})) if attach else None
     with _running(result, probe):
-        for step in range(steps):
+        for _ in range(steps):
             if stop is not None and stop.is_set():
                 break
             u, i, r = ratings(batch, gen)

@@ -255,7 +255,7 @@ def report(results: list[dict]) -> None:
         dense = [r["dense"] for r in rs]
         print(f"dense                  {statistics.mean(dense):9.4f}  {[round(v, 4) for v in dense]}")
         for sparsity in SPARSITIES:
-            for stage, label in (("no_ft", "no fine-tune"), ("ft", f"after fine-tune")):
+            for stage, label in (("no_ft", "no fine-tune"), ("ft", "after fine-tune")):
                 print(f"-- {sparsity:.0%} sparsity, {label}")
                 obd = [r["arms"][f"obd@{sparsity}"][stage] for r in rs]
                 for arm in ARMS:

@@ -325,7 +325,7 @@ def agent_bench(seeds: list[int], steps: int) -> None:
             for label, rank in (("none", 0), ("table", 1), ("rows", 2)):
                 out: dict = {}
                 run = f"bench-agent-{label}-{seed}"
-                job = threading.Thread(target=lambda: out.update(r=recommender_job(
+                job = threading.Thread(target=lambda out=out, run=run, seed=seed: out.update(r=recommender_job(
                     run=run, seed=seed, steps=steps, pace=0.002, probe_kwargs={"server": url})))
                 job.start()
                 how = asyncio.run(apply(url, run, rank)) if rank else "-"

@@ -434,8 +434,8 @@ def by_step(events: list[dict]) -> list[list[dict]]:
 def replay(events: list[dict], data_dir: str | Path, *, run: str | None = None, settings: Any = None,
            services: Any = None) -> list[Opened]:
     """Feed ``events`` step by step through ingest and the engine; return anomalies as they opened."""
-    from diag_server.engine import Engine
-    from diag_server.ingest import ingest
+    from diag_server.pipeline.engine import Engine
+    from diag_server.pipeline.ingest import ingest
     from diag_server.store import Store
     from schemas.events import IngestBatch
 

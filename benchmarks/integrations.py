@@ -67,7 +67,7 @@ def metrics_scrape(runs: int, repeats: int) -> tuple[float, float]:
     from fastapi.testclient import TestClient
 
     from diag_server.api import create_app
-    from diag_server.ingest import ingest
+    from diag_server.pipeline.ingest import ingest
     from diag_server.pipeline.services import Services, Settings
     from schemas.events import IngestBatch
 

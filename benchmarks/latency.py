@@ -58,7 +58,7 @@ def main() -> None:
             run = f"latency-{r}"
             stop = threading.Event()
             box: dict = {}
-            job = threading.Thread(target=lambda: box.update(res=lr_spike_job(
+            job = threading.Thread(target=lambda box=box, run=run, stop=stop: box.update(res=lr_spike_job(
                 run=run, steps=FAULT + 6 * args.interval + 100, fault_step=FAULT, pace=args.pace,
                 interval=args.interval, probe_kwargs={"server": url}, stop=stop)))
             job.start()

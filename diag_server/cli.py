@@ -356,7 +356,7 @@ def demo(steps: int, keep: bool | None) -> None:
 @click.option("--disable-rule", "disabled", multiple=True, metavar="RULE")
 def rules_(rules: tuple[str, ...], rule_params: tuple[str, ...], disabled: tuple[str, ...]) -> None:
     """List the rule catalog: each rule, the anomaly kinds it raises, its parameters and their sources."""
-    from .engine import Engine
+    from .pipeline.engine import Engine
     from .rule_config import engine_settings
 
     try:

@@ -7,6 +7,7 @@ The token is found as the probe finds it (``schemas.auth``): $TRAINDX_TOKEN, els
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from typing import Any, Callable, Sequence
@@ -14,9 +15,10 @@ from typing import Any, Callable, Sequence
 import click
 
 from schemas.auth import token_places
+from schemas.enums import RUN_ID_PATTERN
 from schemas.events import MAX_EMBEDDING_ROWS
 
-from .client import DEFAULT_SERVER, Client, TraindxError
+from .client import DEFAULT_SERVER, Client, TraindxError, api_path
 from .rules.embeddings import unused_tail
 
 
@@ -57,6 +59,18 @@ def past_conflict_floor(row: Any) -> bool:
     return score is not None and score >= 2
 
 
+def _run_id(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A RUN argument is a run id as the probe sends it: anything else (``../../etc``) names no run, and is
+    refused before a request is made."""
+    if not re.fullmatch(RUN_ID_PATTERN, value):
+        raise click.BadParameter(f"{value!r} is not a run id (a letter or digit, then letters, digits, '.', '_', "
+                                 "':' or '-'; at most 128); `traindx runs` lists them")
+    return value
+
+
+run_argument = click.argument("run", callback=_run_id)
+
+
 def _options(f: Callable) -> Callable:
     f = click.option("--server", default=lambda: os.environ.get("TRAINDX_SERVER", DEFAULT_SERVER),
                      show_default="$TRAINDX_SERVER or " + DEFAULT_SERVER, help="The traindx server to ask.")(f)
@@ -69,7 +83,8 @@ class _Cmd:
     """One command's connection: tables through the typed client, --json/--xml straight from the server."""
 
     def __init__(self, server: str, fmt: str | None) -> None:
-        self.client = Client(server)  # the token found as the probe finds it (schemas.auth), the actor from $USER
+        # The token found as the probe finds it (schemas.auth); the person from $TRAINDX_ACTOR or the OS user.
+        self.client = Client(server)
         self.fmt = fmt
         self.server = server
 
@@ -110,7 +125,7 @@ def register(main: click.Group) -> None:
         c.run("/v1/runs", show, status=status, limit=500)
 
     @main.command("run")
-    @click.argument("run")
+    @run_argument
     @_options
     def run_summary(run: str, server: str, fmt: str | None) -> None:
         """One run: status, latest scalars, open anomalies by kind, fixes by status, latest messages."""
@@ -132,10 +147,10 @@ def register(main: click.Group) -> None:
                 out.append("no messages")
             return "\n".join(out)
 
-        c.run(f"/v1/runs/{run}", show)
+        c.run(api_path("v1", "runs", run), show)
 
     @main.command()
-    @click.argument("run")
+    @run_argument
     @click.option("--kind", help="Only this anomaly kind, e.g. exploding_gradient.")
     @click.option("--severity", type=click.Choice(["info", "warning", "critical"]))
     @click.option("--status", type=click.Choice(["open", "resolved"]))
@@ -159,10 +174,10 @@ def register(main: click.Group) -> None:
                          [[a.id, a.kind, a.severity, a.status, f"{a.first_step}-{a.last_step}", a.message]
                           for a in items])
 
-        c.run(f"/v1/runs/{run}/anomalies", show, limit=limit, **filters)
+        c.run(api_path("v1", "runs", run, "anomalies"), show, limit=limit, **filters)
 
     @main.command()
-    @click.argument("run")
+    @run_argument
     @_options
     def diagnose(run: str, server: str, fmt: str | None) -> None:
         """The probable root causes of what went wrong in a run, as a report."""
@@ -177,10 +192,10 @@ def register(main: click.Group) -> None:
                             for x in d.causes])
             return f"{d.summary}\n\n{causes}\n\n{d.report}"
 
-        c.run(f"/v1/runs/{run}/diagnosis", show)
+        c.run(api_path("v1", "runs", run, "diagnosis"), show)
 
     @main.command()
-    @click.argument("run")
+    @run_argument
     @click.option("--status", help="Only fixes in this state (proposed, pending, applied, effective, ...).")
     @click.option("--anomaly", "anomaly_id", help="Only fixes for this anomaly id.")
     @_options
@@ -196,10 +211,10 @@ def register(main: click.Group) -> None:
                          [[f.id, f.anomaly_id, f.action, " ".join(f"{k}={_fmt(v)}" for k, v in f.params.items()),
                            f.status, f.requested_by, f.reason or f.rationale] for f in fs])
 
-        c.run(f"/v1/runs/{run}/fixes", show, status=status, anomaly_id=anomaly_id, limit=500)
+        c.run(api_path("v1", "runs", run, "fixes"), show, status=status, anomaly_id=anomaly_id, limit=500)
 
     @main.command()
-    @click.argument("run")
+    @run_argument
     @click.option("--table", "table_name", help="One table: item.weight, or item.")
     @click.option("--rows", type=click.IntRange(0, MAX_EMBEDDING_ROWS), default=10, show_default=True,
                   help="Worst rows listed per table.")
@@ -248,7 +263,7 @@ def register(main: click.Group) -> None:
                     out += ["", f"{t.name}: {what}: {shown}" + (f" (+{more} more)" if more > 0 else "")]
             return "\n".join(out)
 
-        c.run(f"/v1/runs/{run}/embeddings", show, table=table_name, rows=rows)
+        c.run(api_path("v1", "runs", run, "embeddings"), show, table=table_name, rows=rows)
 
     def _fix_table(fs: list) -> str:
         return table(["ID", "ACTION", "PARAMS", "STATUS", "RATIONALE"],
@@ -256,24 +271,26 @@ def register(main: click.Group) -> None:
                        f.reason or f.rationale] for f in fs])
 
     @main.command()
-    @click.argument("run")
+    @run_argument
     @click.argument("anomaly_id")
     @_options
     def propose(run: str, anomaly_id: str, server: str, fmt: str | None) -> None:
         """Propose fixes for one anomaly, best first."""
         c = _Cmd(server, fmt)
-        c.run(f"/v1/runs/{run}/anomalies/{anomaly_id}/propose", lambda: _fix_table(c.client.propose(run, anomaly_id)),
-              method="POST")
+        c.run(api_path("v1", "runs", run, "anomalies", anomaly_id, "propose"),
+              lambda: _fix_table(c.client.propose(run, anomaly_id)), method="POST")
 
     for op in ("apply", "revert"):
         def make(op: str) -> None:
-            @main.command(op, help=f"{op.capitalize()} a fix in the live job (recorded as person:$USER).")
-            @click.argument("run")
+            @main.command(op, help=f"{op.capitalize()} a fix in the live job (recorded as person:<you>: "
+                                   "$TRAINDX_ACTOR, else the OS user).")
+            @run_argument
             @click.argument("fix_id")
             @_options
             def command(run: str, fix_id: str, server: str, fmt: str | None) -> None:
                 c = _Cmd(server, fmt)
                 call = c.client.apply if op == "apply" else c.client.revert
-                c.run(f"/v1/runs/{run}/fixes/{fix_id}/{op}", lambda: _fix_table([call(run, fix_id)]), method="POST")
+                c.run(api_path("v1", "runs", run, "fixes", fix_id, op), lambda: _fix_table([call(run, fix_id)]),
+                      method="POST")
 
         make(op)

@@ -23,9 +23,11 @@ and found anew when the server answers 401 (a server started after the client wr
 
 from __future__ import annotations
 
+import getpass
 import os
 import time
 from typing import Any, Iterator, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel
@@ -51,6 +53,27 @@ class TraindxError(Exception):
         self.error = error
 
 
+def api_path(*segments: object) -> str:
+    """``/v1/runs/<run>/...`` with every segment percent-encoded, '/' included, and a segment of dots encoded
+    too: an id such as ``../../etc`` names one thing on the server and never walks up its paths (httpx, like a
+    browser, would resolve the dots before sending)."""
+    parts = [quote(str(s), safe="") for s in segments]
+    return "/" + "/".join(p.replace(".", "%2E") if p.strip(".") == "" else p for p in parts)
+
+
+def person() -> str:
+    """Who is at this terminal, for the audit trail: $TRAINDX_ACTOR, else the OS user (getpass: $LOGNAME,
+    $USER, $LNAME, $USERNAME, then the password database, so a cron job or a container without $USER is
+    still named); '' when none is known (the server then records the caller's address)."""
+    named = os.environ.get("TRAINDX_ACTOR", "").strip()
+    if named:
+        return named
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # a uid with no passwd entry (a container run as an arbitrary uid)
+        return ""
+
+
 def _clean(params: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.value if hasattr(v, "value") else v) for k, v in params.items() if v is not None}
 
@@ -58,10 +81,10 @@ def _clean(params: dict[str, Any]) -> dict[str, Any]:
 class Client:
     def __init__(self, server: str | None = None, *, token: str | None = None, actor: str | None = None,
                  timeout: float = 10.0, transport: httpx.BaseTransport | None = None) -> None:
-        """``actor`` names you in the audit trail ('person:<actor>'); default $TRAINDX_ACTOR or $USER."""
+        """``actor`` names you in the audit trail ('person:<actor>'); default $TRAINDX_ACTOR, else the OS user."""
         base = (server or os.environ.get("TRAINDX_SERVER") or DEFAULT_SERVER).rstrip("/")
         self._token_given = token is not None
-        who = actor or os.environ.get("TRAINDX_ACTOR") or os.environ.get("USER") or ""
+        who = actor or person()
         headers = {"accept": "application/json"}
         if who:
             headers["x-traindx-actor"] = f"person:{who}"
@@ -145,27 +168,27 @@ class Client:
         return list(self._pages(RunPage, "/v1/runs", "runs", None, status=status))
 
     def run(self, run: str) -> RunSummary:
-        return self._call(RunSummary, "GET", f"/v1/runs/{run}")
+        return self._call(RunSummary, "GET", api_path("v1", "runs", run))
 
     def history(self, run: str, **filters: Any) -> RunHistory:
         """The run's timeline: anomalies, fixes and verdicts on the step axis."""
-        return self._call(RunHistory, "GET", f"/v1/runs/{run}/history", **{"limit": 500, **filters})
+        return self._call(RunHistory, "GET", api_path("v1", "runs", run, "history"), **{"limit": 500, **filters})
 
     # -- anomalies and diagnosis ---------------------------------------------------------------------
     def anomalies(self, run: str, *, kind: str | None = None, severity: str | None = None, status: str | None = None,
                   min_step: int | None = None, max_step: int | None = None, min_step_time: float | None = None,
                   limit: int | None = None, as_frame: bool = False) -> Any:
         """The run's anomalies, open and critical first, all pages (or the first ``limit``)."""
-        items: list[Anomaly] = list(self._pages(AnomalyPage, f"/v1/runs/{run}/anomalies", "anomalies", limit,
-                                                kind=kind, severity=severity, status=status, min_step=min_step,
+        items: list[Anomaly] = list(self._pages(AnomalyPage, api_path("v1", "runs", run, "anomalies"), "anomalies",
+                                                limit, kind=kind, severity=severity, status=status, min_step=min_step,
                                                 max_step=max_step, min_step_time=min_step_time))
         return self._frame([a.model_dump(mode="json") for a in items], "id") if as_frame else items
 
     def anomaly(self, run: str, anomaly_id: str) -> Anomaly:
-        return self._call(Anomaly, "GET", f"/v1/runs/{run}/anomalies/{anomaly_id}")
+        return self._call(Anomaly, "GET", api_path("v1", "runs", run, "anomalies", anomaly_id))
 
     def diagnosis(self, run: str) -> Diagnosis:
-        return self._call(Diagnosis, "GET", f"/v1/runs/{run}/diagnosis")
+        return self._call(Diagnosis, "GET", api_path("v1", "runs", run, "diagnosis"))
 
     # -- metrics -------------------------------------------------------------------------------------
     def series(self, run: str, name: str, *, collection: str | None = None, field: str = "norm",
@@ -174,7 +197,7 @@ class Client:
         """One metric over steps: a scalar (``loss``, ``sys/step_time``) or, with ``collection``, a tensor's
         statistic. A list of ``(step, value)`` pairs (None where it was NaN/Inf), or a DataFrame indexed by
         step with one column named like the metric."""
-        s = self._call(Series, "GET", f"/v1/runs/{run}/series/{name}", collection=collection, field=field,
+        s = self._call(Series, "GET", api_path("v1", "runs", run, "series", name), collection=collection, field=field,
                        min_step=min_step, max_step=max_step, max_points=max_points)
         if as_frame:
             return self._frame([{"step": p.step, name: p.value} for p in s.points], "step")
@@ -184,8 +207,8 @@ class Client:
                 as_frame: bool = False) -> Any:
         """Several scalars at once (all of them by default): ``{name: [(step, value), ...]}``, or a wide
         DataFrame indexed by step with a column per scalar."""
-        sset = self._call(SeriesSet, "GET", f"/v1/runs/{run}/scalars", name=list(names) or None, prefix=prefix,
-                          max_points=max_points)
+        sset = self._call(SeriesSet, "GET", api_path("v1", "runs", run, "scalars"), name=list(names) or None,
+                          prefix=prefix, max_points=max_points)
         data = {s.name: [(p.step, p.value) for p in s.points] for s in sset.series}
         if not as_frame:
             return data
@@ -196,34 +219,36 @@ class Client:
         return self._frame([rows[s] for s in sorted(rows)], "step")
 
     def heatmap(self, run: str, *, collection: str = "gradients", field: str = "norm", max_steps: int = 200) -> Heatmap:
-        return self._call(Heatmap, "GET", f"/v1/runs/{run}/heatmap", collection=collection, field=field,
+        return self._call(Heatmap, "GET", api_path("v1", "runs", run, "heatmap"), collection=collection, field=field,
                           max_steps=max_steps)
 
     def embeddings(self, run: str, *, table: str | None = None, rows: int = 20) -> EmbeddingTables:
         """The run's embedding tables as last reported (``table``: one of them, 'item.weight' or 'item'),
         every list of worst rows cut to ``rows``."""
-        return self._call(EmbeddingTables, "GET", f"/v1/runs/{run}/embeddings", table=table, rows=rows)
+        return self._call(EmbeddingTables, "GET", api_path("v1", "runs", run, "embeddings"), table=table, rows=rows)
 
     def compression(self, run: str, target_sparsity: float = 0.8) -> CompressionRecipe:
-        return self._call(CompressionRecipe, "GET", f"/v1/runs/{run}/compression", target_sparsity=target_sparsity)
+        return self._call(CompressionRecipe, "GET", api_path("v1", "runs", run, "compression"),
+                          target_sparsity=target_sparsity)
 
     # -- fixes ---------------------------------------------------------------------------------------
     def fixes(self, run: str, *, status: str | None = None, anomaly_id: str | None = None) -> list[Fix]:
-        return list(self._pages(FixPage, f"/v1/runs/{run}/fixes", "fixes", None, status=status, anomaly_id=anomaly_id))
+        return list(self._pages(FixPage, api_path("v1", "runs", run, "fixes"), "fixes", None, status=status,
+                                anomaly_id=anomaly_id))
 
     def propose(self, run: str, anomaly_id: str) -> list[Fix]:
         """Candidate fixes for one anomaly, best first (proposing again returns the same fixes)."""
-        return self._call(FixList, "POST", f"/v1/runs/{run}/anomalies/{anomaly_id}/propose").fixes
+        return self._call(FixList, "POST", api_path("v1", "runs", run, "anomalies", anomaly_id, "propose")).fixes
 
     def apply(self, run: str, fix_id: str) -> Fix:
         """Queue a fix for the live job; it applies it at its next step boundary and acknowledges."""
-        return self._call(Fix, "POST", f"/v1/runs/{run}/fixes/{fix_id}/apply")
+        return self._call(Fix, "POST", api_path("v1", "runs", run, "fixes", fix_id, "apply"))
 
     def revert(self, run: str, fix_id: str) -> Fix:
-        return self._call(Fix, "POST", f"/v1/runs/{run}/fixes/{fix_id}/revert")
+        return self._call(Fix, "POST", api_path("v1", "runs", run, "fixes", fix_id, "revert"))
 
     def fix(self, run: str, fix_id: str) -> Fix:
-        return self._call(Fix, "GET", f"/v1/runs/{run}/fixes/{fix_id}")
+        return self._call(Fix, "GET", api_path("v1", "runs", run, "fixes", fix_id))
 
     def wait_fix(self, run: str, fix_id: str, *, until: frozenset[str] | set[str] = SETTLED, timeout: float = 30.0,
                  poll: float = 0.2) -> Fix:
@@ -237,4 +262,4 @@ class Client:
         return fix
 
     def audit(self, run: str) -> AuditPage:
-        return self._call(AuditPage, "GET", f"/v1/runs/{run}/audit", limit=500)
+        return self._call(AuditPage, "GET", api_path("v1", "runs", run, "audit"), limit=500)

@@ -14,9 +14,9 @@ import orjson
 
 from schemas.events import IngestBatch
 
-from .diagnosis import diagnose
-from .engine import Engine
-from .ingest import ingest
+from .read.diagnosis import diagnose
+from .pipeline.engine import Engine
+from .pipeline.ingest import ingest
 from .store import Store
 
 

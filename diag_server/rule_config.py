@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from .engine import Engine, EngineSettings
+from .pipeline.engine import Engine, EngineSettings
 from .rules import load
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import quantiles
 from .stats import alive_units, copy_norms, cpu_row, diff_norms, host_stats, local, outside, rows_from_stats
 
 # Activation outputs within this distance of a bound count as saturated. Same 1% band as the
@@ -216,7 +217,33 @@ class Phases:
         self._run("opt1", args)
 
 
-class Weights(Collection):
+# Statistics rows with each tensor's quantiles (probes/quantiles.py) below them, as weights, gradients and
+# activations send them: the value distributions the dashboard draws.
+_rows_with_quantiles = quantiles.rows_with_quantiles(rows_from_stats)
+
+
+class _Distributed(Collection):
+    """A collection that sends its tensors' quantiles too, at most every ``quantiles.MIN_STEPS_APART`` steps."""
+
+    def __init__(self, probe: Any, interval: int) -> None:
+        super().__init__(probe, interval)
+        self._quantiles_at: int | None = None  # the step of the last quantiles
+
+    def quantiles_due(self, step: int) -> bool:
+        if self._quantiles_at is not None and step - self._quantiles_at < quantiles.MIN_STEPS_APART:
+            return False
+        self._quantiles_at = step
+        return True
+
+    def host_copy(self, step: int, names: list[str], tensors: list[torch.Tensor]) -> HostCopy:
+        stats = host_stats(tensors)
+        if not self.quantiles_due(step):
+            return HostCopy(self.name, step, names, stats)
+        return HostCopy(self.name, step, names, quantiles.with_quantiles(stats, quantiles.of(tensors)),
+                        _rows_with_quantiles)
+
+
+class Weights(_Distributed):
     name = "weights"
 
     def __init__(self, probe: Any, interval: int) -> None:
@@ -225,10 +252,12 @@ class Weights(Collection):
         self._params = [p for _, p in probe.params]
 
     def collect(self, step: int) -> list[HostCopy]:
-        return [HostCopy(self.name, step, self._names, host_stats([local(p) for p in self._params]))]
+        if not self._params:
+            return [HostCopy(self.name, step, self._names, host_stats([]))]
+        return [self.host_copy(step, self._names, [local(p) for p in self._params])]
 
 
-class Gradients(Collection):
+class Gradients(_Distributed):
     name = "gradients"
 
     def collect(self, step: int) -> list[HostCopy]:
@@ -236,7 +265,7 @@ class Gradients(Collection):
         if not named:
             return []
         grads = [g.to_dense() if g.is_sparse else local(g) for _, g in named]
-        return [HostCopy(self.name, step, [n for n, _ in named], host_stats(grads))]
+        return [self.host_copy(step, [n for n, _ in named], grads)]
 
 
 def _update_rows(names: list[str], raw: list[list[float]]) -> list[dict]:
@@ -345,6 +374,9 @@ def _activation_rows(names: list[str], raw: list[list[float]]) -> list[dict]:
     return rows
 
 
+_activation_rows_with_quantiles = quantiles.rows_with_quantiles(_activation_rows)
+
+
 def _activation_stats(y: torch.Tensor, module: torch.nn.Module | None) -> torch.Tensor | list[float]:
     """Ten numbers for one activation tensor (see _ACT_FIELDS): on CUDA a tensor kept on the device, on
     the CPU a host list."""
@@ -385,7 +417,7 @@ def _activation_stats(y: torch.Tensor, module: torch.nn.Module | None) -> torch.
     return stats
 
 
-class Activations(Collection):
+class Activations(_Distributed):
     """Leaf-module outputs, and the model's input and output, on sampled steps (one-shot hooks)."""
 
     name = "activations"
@@ -394,6 +426,8 @@ class Activations(Collection):
         super().__init__(probe, interval)
         self._names: list[str] = []
         self._stats: list[torch.Tensor | list[float]] = []
+        self._samples: list[Any] = []  # each output's quantile sample (probes/quantiles.py), on steps that take them
+        self._sampling = False
         self._last: tuple[torch.Tensor, int, Any, bool] | None = None
         self._done = False
         self.leaves = [(n, m) for n, m in probe.model.named_modules() if n and not list(m.children())]
@@ -410,7 +444,8 @@ class Activations(Collection):
                          + " collected; weights, gradients, updates and step times are unaffected")
 
     def arm(self, step: int) -> None:
-        self._names, self._stats, self._done, self._last = [], [], False, None
+        self._names, self._stats, self._samples, self._done, self._last = [], [], [], False, None
+        self._sampling = self.quantiles_due(step)  # the outputs are gone by collect(): sampled as they pass
         if self.compiled == "in-place" or self._handles:
             return
         for name, module in self.leaves:
@@ -438,6 +473,8 @@ class Activations(Collection):
             self._last = (y, y._version, stats, plain)  # one tensor kept at most, until the next or collect()
             self._names.append(name)
             self._stats.append(stats)
+            if self._sampling:
+                self._samples.append(quantiles.sample(y))
 
     def _on_input(self, module: torch.nn.Module, args: tuple) -> None:
         if args:
@@ -451,17 +488,25 @@ class Activations(Collection):
         self._done = True  # one forward per sampled step; later forwards (eval) are not this step's
 
     def collect(self, step: int) -> list[HostCopy]:
-        stats, names = self._stats, self._names
-        self._names, self._stats, self._done, self._last = [], [], True, None  # kept hooks record nothing until re-armed
+        stats, names, samples = self._stats, self._names, self._samples
+        # kept hooks record nothing until re-armed
+        self._names, self._stats, self._samples, self._done, self._last = [], [], [], True, None
         if not stats:
             return []
         on_device = [t for t in stats if isinstance(t, torch.Tensor)]
         if not on_device:
-            return [HostCopy(self.name, step, names, [list(field) for field in zip(*stats)], _activation_rows)]
+            host = [list(f) for f in zip(*stats)]
+            if len(samples) != len(stats):
+                return [HostCopy(self.name, step, names, host, _activation_rows)]
+            return [HostCopy(self.name, step, names, quantiles.with_quantiles(host, quantiles.quantiles(samples)),
+                             _activation_rows_with_quantiles)]
         dev = on_device[0].device  # an input still on the host, say, joins the rest on the device
         stacked = torch.stack([t.to(dev) if isinstance(t, torch.Tensor) else torch.tensor(t, device=dev)
                                for t in stats], dim=1)
-        return [HostCopy(self.name, step, names, stacked, _activation_rows)]
+        if len(samples) != len(stats):
+            return [HostCopy(self.name, step, names, stacked, _activation_rows)]
+        q = quantiles.quantiles(samples, device=dev)
+        return [HostCopy(self.name, step, names, quantiles.with_quantiles(stacked, q), _activation_rows_with_quantiles)]
 
 
 _PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 4096 / 2**20

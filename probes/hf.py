@@ -11,7 +11,10 @@ What it does, event by event:
 
 - ``on_train_begin``: attaches ``probes.attach(model, optimizer, ...)`` to the torch optimizer inside
   accelerate's wrapper, with the Trainer's LR scheduler (an lr fix then scales its base rates too: the
-  Trainer's schedules recompute the rate from them every step) and accelerate's GradScaler, if any.
+  Trainer's schedules recompute the rate from them every step) and accelerate's GradScaler, if any; and
+  with the run's config, so that runs can be compared: the ``TrainingArguments`` (``args.*``, their
+  tokens redacted as transformers redacts them), the model's config (``model.*``) and the schedule the
+  Trainer worked out (``trainer.*``), under any ``config=`` given to the callback, which wins.
 - every training forward: keeps a reference to the model's ``loss`` output (no host sync).
 - ``on_optimizer_step`` (after ``optimizer.step()``, before the gradients are zeroed): one probe step per
   optimizer step, with the mean loss of its micro-batches; under ``gradient_accumulation_steps=k`` the
@@ -35,8 +38,9 @@ from transformers import TrainerCallback
 
 from .collect import guarded
 from .probe import Probe, attach
+from .run_config import as_mapping
 
-__all__ = ["TraindxCallback", "register"]
+__all__ = ["TraindxCallback", "register", "run_config"]
 
 
 def _env_allow() -> list[str]:
@@ -59,7 +63,12 @@ class TraindxCallback(TrainerCallback):
         if self.probe is not None or model is None:
             return
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-        settings = {"scheduler": lr_scheduler, "scaler": getattr(optimizer, "scaler", None), **self.attach_kwargs}
+        given = self.attach_kwargs.get("config")
+        found = run_config(args, model, state)
+        mapping = as_mapping(given) if given is not None else {}
+        settings = {"scheduler": lr_scheduler, "scaler": getattr(optimizer, "scaler", None), **self.attach_kwargs,
+                    # not a mapping: passed on as given, for probes.attach to refuse it
+                    "config": {**found, **mapping} if mapping is not None else given}
         self.probe = attach(model, inner if isinstance(inner, torch.optim.Optimizer) else None, **settings)
         self._losses = []
         self._hook = model.register_forward_hook(guarded(self.probe, "hf loss hook", self._keep_loss))
@@ -101,6 +110,36 @@ class TraindxCallback(TrainerCallback):
             self._hook = None
         if probe is not None:
             probe.close()
+
+
+# Label maps: one key per class once flattened (a thousand for ImageNet), and no hyper-parameter; their size is kept.
+_MODEL_CONFIG_LEFT_OUT = ("id2label", "label2id")
+
+
+def run_config(args: Any, model: torch.nn.Module | None, state: Any = None) -> dict[str, Any]:
+    """What the Trainer knows about the run at its start, for ``probes.attach(config=...)``: its arguments,
+    the model's config, and the schedule it worked out (``trainer.*``: total optimizer steps, epochs,
+    batch size across devices). Never raises: a piece that cannot be read is left out."""
+    config: dict[str, Any] = {}
+    try:
+        # to_sanitized_dict: what transformers' own TensorBoard callback logs as hparams, tokens redacted
+        config["args"] = args.to_sanitized_dict()
+    except Exception:  # noqa: BLE001 - an args object of another kind: nothing from it
+        pass
+    try:
+        model_config = getattr(model, "config", None)
+        if model_config is not None and callable(getattr(model_config, "to_dict", None)):
+            found = model_config.to_dict()
+            labels = found.get("id2label")
+            config["model"] = {k: v for k, v in found.items() if k not in _MODEL_CONFIG_LEFT_OUT}
+            if isinstance(labels, Mapping):
+                config["model"]["num_labels"] = len(labels)
+    except Exception:  # noqa: BLE001
+        pass
+    if state is not None:  # the train dataloader is not built yet at on_train_begin: its schedule is
+        config["trainer"] = {k: getattr(state, k) for k in ("max_steps", "num_train_epochs", "train_batch_size")
+                             if getattr(state, k, None) is not None}
+    return config
 
 
 def register(name: str = "traindx") -> None:

@@ -8,6 +8,10 @@ What it does, hook by hook:
 - ``on_fit_start``: attaches ``probes.attach(module, trainer.optimizers[0], ...)`` with the Trainer's LR
   schedulers (an lr fix then scales their base rates too) and its AMP GradScaler, if any. ``setup`` runs
   before Lightning creates the optimizers, so the probe is attached at the first hook that has them.
+  The run's config, so that runs can be compared, is what Lightning's own loggers record as
+  hyper-parameters (the module's ``save_hyperparameters()``, joined by the datamodule's, the module's
+  winning) and the Trainer's schedule (``trainer.*``: max epochs and steps, accumulation, precision,
+  clipping, devices), under any ``config=`` given to the callback, which wins.
 - ``on_before_optimizer_step``: runs the active gradient fixes (grad_clip, grad_scale, skip_nonfinite)
   after backward and before the update. Lightning computes gradients inside ``optimizer.step(closure)``,
   where an optimizer step pre-hook would see the previous step's gradients.
@@ -35,13 +39,34 @@ except ImportError:  # the standalone package
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 from .probe import Probe, attach
+from .run_config import as_mapping
 
-__all__ = ["TraindxCallback"]
+__all__ = ["TraindxCallback", "run_config"]
+
+# The Trainer's settings that shape a run's curves, recorded as trainer.<name>.
+_TRAINER_SETTINGS = ("max_epochs", "max_steps", "accumulate_grad_batches", "precision", "gradient_clip_val",
+                     "gradient_clip_algorithm", "world_size", "num_nodes", "val_check_interval")
 
 
 def _loss_of(outputs: Any) -> torch.Tensor | None:
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     return loss.detach() if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+def run_config(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """What Lightning knows about the run at its start, for ``probes.attach(config=...)``: the hyper-parameters
+    its loggers record (the datamodule's, then the module's over them, as ``Trainer`` merges them for a
+    logger) and the Trainer's settings under ``trainer.*``."""
+    config: dict[str, Any] = {"trainer": {}}
+    for name in _TRAINER_SETTINGS:
+        value = getattr(trainer, name, None)
+        if value is not None:
+            config["trainer"][name] = value
+    datamodule = getattr(trainer, "datamodule", None)
+    for owner in (datamodule, pl_module):
+        hparams = as_mapping(getattr(owner, "hparams", None)) if owner is not None else None
+        config.update(hparams or {})
+    return config
 
 
 class TraindxCallback(pl.Callback):
@@ -61,8 +86,12 @@ class TraindxCallback(pl.Callback):
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         schedulers = [c.scheduler for c in getattr(trainer, "lr_scheduler_configs", [])]
         precision = getattr(trainer.strategy, "precision_plugin", None)
+        given = self.attach_kwargs.get("config")
+        mapping = as_mapping(given) if given is not None else {}
         kwargs = {"scheduler": schedulers or None, "scaler": getattr(precision, "scaler", None),
-                  **self.attach_kwargs}
+                  **self.attach_kwargs,
+                  # not a mapping: passed on as given, for probes.attach to refuse it
+                  "config": {**run_config(trainer, pl_module), **mapping} if mapping is not None else given}
         self.probe = attach(pl_module, optimizer, **kwargs)
         self.probe.defer_step_fixes()
         self._last_global_step = trainer.global_step

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from . import fixes, registry, signals
+from . import fixes, quantiles, registry, run_config, signals
 from .capture import Capture
 from .agreement import Agreement
 from .amp import ScalerWatch
@@ -153,12 +153,16 @@ class Probe:
         fisher_decay: float | None = None,
         fisher_max_elements: int | None = None,
         rules: Mapping[str, Mapping[str, float] | bool] | None = None,
+        config: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"probes.attach needs an nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         interval = _steps("interval", interval)
+        # The run's own configuration (hyper-parameters, model size, data), sent once in run_start so that
+        # runs can be compared; made wire-safe here, so a value the server would refuse cannot lose the run.
+        self.run_config, config_dropped = run_config.flatten(config if config is not None else {})
         self.model = model
         self.optimizer = optimizer
         self.run = run or _default_run()
@@ -254,6 +258,9 @@ class Probe:
         self._hook_errors: deque[tuple[str, Exception]] = deque(maxlen=MAX_ERRORS)  # raised in hooks; see hook_failed
         self.phases = Phases(model, optimizer, self.hook_failed)  # the step-boundary hooks the due collections share
         self._send_run_start()
+        if config_dropped:
+            self._message("warning", f"config: {config_dropped} keys left out past the first "
+                                     f"{len(self.run_config)} (the most a run start carries)")
         for c in self.collections:
             if getattr(c, "note", None):  # what a collection cannot see in this job (a compiled model, say)
                 self.sender.put({"kind": "message", "step": 0, "time": time.time(), "level": "info", "text": c.note})
@@ -823,7 +830,8 @@ class Probe:
             "world_size": self.world["world_size"], "rank": self.world["rank"],
             "local_rank": self.world["local_rank"], "host": self.world["host"], "allow": sorted(self.allow),
             "config": {"interval": self.interval, "collections": [c.name for c in self.collections],
-                       "amp_scaler": self._amp is not None, **self.rules},
+                       "amp_scaler": self._amp is not None, "quantile_sample": quantiles.SAMPLE, **self.rules},
+            "run_config": self.run_config,
         })
 
     # -- execution context: modes, user spans, captures, the all-reduce ------------------------------------

@@ -43,8 +43,12 @@ from .records import (
     CaptureList,
     CaptureRank,
     Cause,
+    ComparedRun,
     CompressionRecipe,
+    ConfigDifference,
     Diagnosis,
+    Distribution,
+    DistributionPoint,
     EmbeddingTable,
     EmbeddingTables,
     Error,
@@ -58,6 +62,7 @@ from .records import (
     OpSummary,
     RankInfo,
     Run,
+    RunComparison,
     RunHistory,
     RunList,
     RunMessage,
@@ -67,6 +72,7 @@ from .records import (
     SeriesPoint,
     ShapeInfo,
     Timeline,
+    TimedPoint,
     TimelineSpan,
     SeriesSet,
 )
@@ -85,4 +91,6 @@ __all__ = [
     "EmbeddingTable", "EmbeddingTables", "Error",
     "Fix", "FixList", "FixPage", "Health", "Heatmap", "HistoryEntry", "LayerRecipe", "Run", "RunHistory", "RunList", "RunMessage", "RunPage",
     "RunSummary", "Series", "SeriesPoint", "SeriesSet",
+    # the dashboard's compare view and distributions
+    "ComparedRun", "ConfigDifference", "Distribution", "DistributionPoint", "RunComparison", "TimedPoint",
 ]

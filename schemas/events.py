@@ -37,6 +37,24 @@ Finite = Annotated[float, Field(allow_inf_nan=False, strict=True)]
 Time = Annotated[float, Field(allow_inf_nan=False, ge=0, strict=True, description="Unix time in seconds.")]
 ParamValue = Union[bool, Int64, Finite, str, list[str], list[Number], None]
 Params = Annotated[dict[str, ParamValue], Field(max_length=64)]
+# A run's own configuration (probes.attach(config=...)): hyper-parameters, model size, data, flattened to
+# dotted keys by the probe ("optimizer.lr"). Bounded like every wire field: a Hugging Face run's
+# TrainingArguments and model config come to ~250 keys; a string value is a name or a path, not a file.
+MAX_CONFIG_KEYS = 512
+MAX_CONFIG_TEXT = 1024
+MAX_CONFIG_LIST = 64
+ConfigText = Annotated[str, Field(max_length=MAX_CONFIG_TEXT)]
+ConfigValue = Union[bool, Int64, Finite, ConfigText,
+                    Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_CONFIG_LIST)],
+                    Annotated[list[Number], Field(max_length=MAX_CONFIG_LIST)], None]
+RunConfig = Annotated[dict[TensorName, ConfigValue], Field(max_length=MAX_CONFIG_KEYS, description=(
+    "The run's own configuration as the job gave it (probes.attach(config=...), or the Hugging Face "
+    "Trainer's arguments and model config): dotted keys, scalar or list values."))]
+# Value distributions: the quantiles a probe estimates on sampled steps, at these levels. They are
+# TensorBoard's distribution bands (the normal CDF at -1.5, -1, -0.5, 0, 0.5, 1 and 1.5 standard
+# deviations: tensorboard/plugins/distribution/compressor.py, NORMAL_HISTOGRAM_BPS), without the 0 and 1
+# ends, which are each row's exact min and max.
+QUANTILE_LEVELS = (0.0668, 0.1587, 0.3085, 0.5, 0.6915, 0.8413, 0.9332)
 
 
 class _Model(BaseModel):
@@ -84,6 +102,7 @@ class RunStart(_Model):
     host: str = Field("", max_length=256)
     allow: list[FixAction] = Field(default_factory=list, description="Fix actions this job accepts.")
     config: Params = Field(default_factory=dict, description="The probe's own configuration.")
+    run_config: RunConfig = Field(default_factory=dict)
 
     @field_validator("config")
     @classmethod
@@ -211,7 +230,19 @@ class StatRow(_Model):
     dead_frac: Number = Field(None, description="Activations: fraction of units zero for the whole batch (ReLU family).")
     saturated_frac: Number = Field(None, description="Activations: fraction of outputs within 1% of a tanh/sigmoid bound.")
     update_ratio: Number = Field(None, description="Updates: ||w_after - w_before|| / ||w_before||.")
+    quantiles: list[Number] = Field(default_factory=list, max_length=len(QUANTILE_LEVELS), description=(
+        "Weights, gradients, activations, on some sampled steps: the finite values' quantiles at QUANTILE_LEVELS, "
+        "estimated from an evenly spread sample of the tensor's elements (config.quantile_sample of them at most); "
+        "empty when not estimated."))
     embedding: EmbeddingSummary | None = Field(None, description="Embeddings: the table's row dynamics.")
+
+    @field_validator("quantiles")
+    @classmethod
+    def _every_level(cls, quantiles: list) -> list:
+        if quantiles and len(quantiles) != len(QUANTILE_LEVELS):
+            raise ValueError(f"quantiles holds one value per level ({len(QUANTILE_LEVELS)}: {list(QUANTILE_LEVELS)}) "
+                             f"or none, got {len(quantiles)}")
+        return quantiles
 
 
 class TensorStats(_Model):

@@ -7,8 +7,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .enums import AnomalyKind, AnomalyStatus, FixAction, FixStatus, Severity
-from .events import (INT64_MAX, MAX_EMBEDDING_ROWS, MAX_STEP, MAX_WORLD_SIZE, EmbeddingSummary, Params, RunId,
-                     TensorSlice)
+from .events import (INT64_MAX, MAX_EMBEDDING_ROWS, MAX_STEP, MAX_WORLD_SIZE, QUANTILE_LEVELS, ConfigValue,
+                     EmbeddingSummary, Params, RunConfig, RunId, TensorName, TensorSlice)
 
 # What the server answers is built by the server from what it stored, so the integers carry the wire's
 # ranges (events.py) without its strictness.
@@ -129,6 +129,8 @@ class RunSummary(_Record):
     messages: list[RunMessage] = Field(default_factory=list,
                                        description="The run's latest messages (at most 20), oldest first.")
     messages_total: Count = Field(0, description="Messages the run has sent in all.")
+    config: RunConfig = Field(default_factory=dict, description="The run's own configuration, as its job sent it "
+                              "(probes.attach(config=...)): hyper-parameters, model size, data.")
 
 
 class SeriesPoint(_Record):
@@ -376,3 +378,71 @@ class EmbeddingTables(_Record):
     rows: int = Field(ge=0, le=MAX_EMBEDDING_ROWS, description="Most rows listed in each of a table's lists.")
     tables: list[EmbeddingTable] = Field(description="By name, then rank; empty when the run sent no embeddings "
                                          "report (the collection is off, or the model has no embedding table).")
+
+
+class TimedPoint(_Record):
+    """A point of a compared series: its step, and its time since the run's first point."""
+
+    step: StepNo
+    seconds: Finite = Field(description="Seconds since the run's first stored point of any scalar.")
+    value: Number
+
+
+class ComparedRun(_Record):
+    """One run of a comparison: the metric's points, and its anomalies and fixes on the same axis."""
+
+    run: Run
+    started_at: Time = Field(description="When the run's first scalar was stored: seconds count from here.")
+    points: list[TimedPoint] = Field(description="The metric, downsampled keeping each bucket's min and max.")
+    downsampled: bool = False
+    marks: list[HistoryEntry] = Field(default_factory=list, description="Anomalies began and cleared, fix "
+                                      "requests and answers, verdicts (the run's history), oldest first.")
+    marks_total: Count = Field(0, description="The run's marks before the cut to the request's max_marks.")
+
+
+class ConfigDifference(_Record):
+    """A configuration key whose value is not the same in every compared run."""
+
+    key: TensorName
+    values: dict[str, ConfigValue] = Field(description="Run id -> its value; a run that did not set the key "
+                                           "is absent.")
+
+
+class RunComparison(_Record):
+    """Several runs side by side (GET /v1/compare): one metric overlaid, where their configs differ, and
+    each run's anomalies and fixes on the same axis."""
+
+    metric: str
+    runs: list[ComparedRun]
+    metrics: list[str] = Field(default_factory=list, description="Scalars at least one of the runs reported (at "
+                               "most 200, by name): what else can be compared.")
+    config_differences: list[ConfigDifference] = Field(default_factory=list, description="By key.")
+    config_same: Count = Field(0, description="Keys every run set to the same value.")
+
+
+class DistributionPoint(_Record):
+    """One tensor's values at one sampled step: exact extremes and mean, estimated quantiles."""
+
+    step: StepNo
+    min: Number = None
+    max: Number = None
+    mean: Number = None
+    quantiles: list[Number] = Field(default_factory=list, description="At the Distribution's levels; empty where "
+                                    "the probe sent none (an older probe, or a collection that sends none).")
+
+
+class Distribution(_Record):
+    """A tensor's value distribution over steps (weights, gradients or activations of one layer), as
+    TensorBoard's distributions chart draws it: bands between quantiles, within the exact min and max."""
+
+    run: RunId
+    collection: str
+    tensor: str
+    tensors: list[str] = Field(description="The collection's tensors in forward order: what else can be shown.")
+    levels: list[float] = Field(default_factory=lambda: list(QUANTILE_LEVELS), description="The quantile levels.")
+    sample: Count | None = Field(None, description="Elements each quantile was estimated from at most (the probe's "
+                                 "quantile_sample; a smaller tensor's quantiles are exact). Null: no quantiles.")
+    points: list[DistributionPoint]
+    downsampled: bool = Field(False, description="Steps were grouped into buckets: a point is the bucket's last "
+                              "sampled step, with the bucket's lowest min and highest max, and the quantiles of its "
+                              "last step that has them.")

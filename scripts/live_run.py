@@ -20,15 +20,18 @@ ALLOW = ["lr_scale", "set_lr", "grad_clip", "skip_nonfinite"]
 
 class LiveRun:
     def __init__(self, server: str, run: str, *, interval: int = 5, step_sleep: float = 0.004, seed: int = 0,
-                 max_steps: int = 100_000, token: str | None = None) -> None:
+                 max_steps: int = 100_000, token: str | None = None, lr: float = 0.02, hidden: int = 32) -> None:
         torch.manual_seed(seed)
-        self.model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+        self.model = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 32),
                                          torch.nn.ReLU(), torch.nn.Linear(32, 1))
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.02)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=lr)
         self.x = torch.randn(512, 16)
         self.y = self.x @ torch.randn(16, 1) + 0.1 * torch.randn(512, 1)
+        # what a person would pass as the run's config: it tells runs apart on the compare page
+        config = {"optimizer": {"name": "SGD", "lr": lr}, "model": {"hidden": hidden, "layers": 3},
+                  "data": {"examples": 512, "batch_size": 32}, "seed": seed}
         self.probe = probes.attach(self.model, self.opt, run=run, server=server, interval=interval, allow=ALLOW,
-                                   flush_interval=0.1, token=token)
+                                   flush_interval=0.1, token=token, config=config)
         self.step_sleep, self.max_steps = step_sleep, max_steps
         self._nan_steps = 0
         self._stop = threading.Event()

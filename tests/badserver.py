@@ -175,7 +175,8 @@ class SlowProxy:
             state = {"until": None}
             own_host, upstream_host = b"Host: 127.0.0.1:%d" % self.port, b"Host: 127.0.0.1:%d" % self.upstream_port
 
-            def up(client: socket.socket = client, upstream: socket.socket = upstream, state: dict = state) -> None:
+            def up(client: socket.socket = client, upstream: socket.socket = upstream, state: dict = state,
+                   own_host: bytes = own_host, upstream_host: bytes = upstream_host) -> None:
                 try:
                     while data := client.recv(65536):
                         # As a reverse proxy does, name the server it forwards to in Host: the server checks

@@ -14,14 +14,20 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data import default_collate
+# Run as a script, this file's directory comes first on sys.path, where tests/probes/ (the probe's tests)
+# would shadow the probes package: the checkout's root goes first instead.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-import probes
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import default_collate  # noqa: E402
+
+import probes  # noqa: E402
 
 
 class Sleep(torch.nn.Module):

@@ -3,6 +3,7 @@ readable tables by default, the server's JSON and XML with --json / --xml, the t
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import httpx
@@ -140,3 +141,35 @@ def test_every_command_finds_the_token_the_server_wrote(tmp_path, monkeypatch: p
         assert str(elsewhere / ".traindx" / "token") in res.output and "TRAINDX_TOKEN" in res.output
     finally:
         srv.stop()
+
+
+def test_ids_are_sent_encoded_and_a_path_is_not_a_run(srv: ServerProcess) -> None:
+    """`traindx run ../../etc` is refused before any request; an id of dots (a fix id is not checked here) is
+    sent as one encoded segment, so the server answers about that id instead of a route the dots walked to."""
+    for args in (["run", "../../etc"], ["anomalies", "../../etc", "--json"], ["apply", "../x", "f-1"]):
+        code, out = cli(srv, *args)
+        assert code == 2 and "is not a run id" in out and "traindx runs" in out, (args, out)
+    code, out = cli(srv, "revert", RUN, "..")  # unencoded, httpx would have asked for /v1/runs/<run>/revert
+    assert code == 1 and "unknown_fix" in out and "'..'" in out, out
+    code, out = cli(srv, "propose", RUN, "../../../../etc", "--json")  # the server asked stays under the run
+    assert code == 1 and f"no route POST /v1/runs/{RUN}/anomalies/../../../../etc/propose" in out, out
+
+
+def test_the_person_is_the_os_user_when_user_is_unset(srv: ServerProcess) -> None:
+    """No $USER (cron, a container, `env -i`): the fix is still recorded as the person at the terminal,
+    the OS user from the password database, not as the caller's address."""
+    import pwd
+
+    run = "cli-no-user-" + uuid.uuid4().hex[:8]
+    httpx.post(f"{srv.url}/v1/ingest", headers={"authorization": f"Bearer {TOKEN}"}, json={
+        "batch_id": uuid.uuid4().hex, "run": run, "seq": 0,
+        "events": [{"kind": "scalars", "step": s, "time": 1.0, "values": {"loss": 1.0 if s < 5 else None}}
+                   for s in range(8)]}).raise_for_status()
+    anomaly = httpx.get(f"{srv.url}/v1/runs/{run}/anomalies?kind=nonfinite").json()["anomalies"][0]["id"]
+    env = {"TRAINDX_SERVER": srv.url, "TRAINDX_TOKEN": TOKEN, "TRAINDX_ACTOR": None,
+           "USER": None, "LOGNAME": None, "LNAME": None, "USERNAME": None}
+    res = CliRunner().invoke(main, ["propose", run, anomaly], env=env, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    fixes = httpx.get(f"{srv.url}/v1/runs/{run}/fixes").json()["fixes"]
+    me = pwd.getpwuid(os.getuid()).pw_name
+    assert fixes and {f["requested_by"] for f in fixes} == {f"person:{me}"}

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
@@ -125,7 +124,7 @@ assert "diag_server" not in sys.modules, "the report ran the server's rules in t
 
 
 def test_diagnosis_links_consequences_and_compares_with_an_earlier_run_of_the_same_model(tmp_path):
-    from diag_server.diagnosis import diagnose
+    from diag_server.read.diagnosis import diagnose
     from diag_server.store import Store
 
     # The recorded run's loader waits 20 ms a batch; what the probe timed of it depends on the machine's load
@@ -164,7 +163,7 @@ def test_diagnosis_links_consequences_and_compares_with_an_earlier_run_of_the_sa
 def test_embedding_anomalies_naming_the_same_ids_in_two_tables_are_one_problem(tmp_path):
     """An item table and its bias table, looked up with the same ids, both flag the items whose labels
     conflict: one problem in the data, not two. Tables of other sizes, or other ids, stay apart."""
-    from diag_server.diagnosis import diagnose
+    from diag_server.read.diagnosis import diagnose
     from diag_server.store import Store
     from tests.test_fix_proposers import RUN, _anomaly, _run
 

@@ -46,8 +46,8 @@ def test_healthy_run_raises_nothing_above_info(case, tmp_path):
 
 def test_rule_state_survives_a_server_restart(tmp_path):
     """Half a run through one engine, the rest through a new engine on the same store: same anomalies."""
-    from diag_server.engine import Engine
-    from diag_server.ingest import ingest
+    from diag_server.pipeline.engine import Engine
+    from diag_server.pipeline.ingest import ingest
     from diag_server.store import Store
     from schemas.events import IngestBatch
 

@@ -13,7 +13,7 @@ import pytest
 
 from diag_server import fixes
 from diag_server.errors import ApiError
-from diag_server.ingest import pending_commands
+from diag_server.pipeline.ingest import pending_commands
 from diag_server.store import Store
 
 RUN = "r1"
@@ -272,7 +272,7 @@ def test_a_refused_fix_asked_for_again_goes_out_again_as_a_new_attempt(store):
     """Before, the job's answer to the first request stayed on record and the command was never sent again:
     asked for again after a refusal, a fix only expired."""
     from diag_server.pipeline import ranks
-    from diag_server.ingest import _apply_ack
+    from diag_server.pipeline.ingest import _apply_ack
     from schemas.events import FixAck
 
     def sent():

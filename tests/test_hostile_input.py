@@ -613,7 +613,7 @@ def test_concurrent_duplicate_batches_are_stored_once(app_client) -> None:  # no
         body = orjson.dumps({"batch_id": _batch_id("twin"), "run": "twins", "seq": i, "events": [
             {"kind": "scalars", "step": i, "time": time.time(), "values": {"loss": float(i)}}]})
         replies: list = []
-        threads = [threading.Thread(target=lambda: replies.append(client.post("/v1/ingest", content=body)))
+        threads = [threading.Thread(target=lambda replies=replies, body=body: replies.append(client.post("/v1/ingest", content=body)))
                    for _ in range(senders)]
         for t in threads:
             t.start()

@@ -91,7 +91,7 @@ GET_ROUTES = [
     (f"/v1/runs/{RUN}/scalars", "SeriesSet"), (f"/v1/runs/{RUN}/stats?collection=updates&field=update_ratio", "SeriesSet"),
     (f"/v1/runs/{RUN}/embeddings", "EmbeddingTables"), (f"/v1/runs/{RUN}/embeddings?table=nope", "Error"),
     (f"/v1/runs/{RUN}/heatmap", "Heatmap"), (f"/v1/runs/{RUN}/compression?target_sparsity=0.5", "CompressionRecipe"),
-    (f"/v1/runs/{RUN}/nope", "Error"), (f"/v1/runs/missing/anomalies", "Error"),
+    (f"/v1/runs/{RUN}/nope", "Error"), ("/v1/runs/missing/anomalies", "Error"),
 ]
 
 
@@ -124,7 +124,7 @@ def test_unsupported_accept_gets_406_listing_what_is_offered(srv: ServerProcess)
 
 def test_every_error_has_one_shape_in_the_requested_format(srv: ServerProcess) -> None:
     cases = [
-        (f"/v1/runs/missing", {}, 404, "unknown_run"),
+        ("/v1/runs/missing", {}, 404, "unknown_run"),
         (f"/v1/runs/{RUN}/anomalies?limit=0", {}, 422, "invalid_request"),
         (f"/v1/runs/{RUN}/anomalies?kind=bogus", {}, 422, "invalid_request"),
         (f"/v1/runs/{RUN}/fixes/f-999", {}, 404, "unknown_fix"),
@@ -159,7 +159,7 @@ def test_openapi_describes_every_route_format_error_and_the_ingest_body(srv: Ser
     schemas = doc["components"]["schemas"]
     assert "HTTPValidationError" not in schemas and "Error" in schemas
     for path, item in doc["paths"].items():
-        for method, op in item.items():
+        for op in item.values():
             responses = op["responses"]
             for status in ("404", "422", "403"):
                 if path.startswith("/v1/") or (status == "403" and path != "/metrics"):

@@ -16,8 +16,8 @@ import pytest
 from agent_examples.jobs import fault_job
 from agent_examples.scripted_agent import GUARDS
 from diag_server import fixes
-from diag_server.engine import Engine
-from diag_server.ingest import ingest
+from diag_server.pipeline.engine import Engine
+from diag_server.pipeline.ingest import ingest
 from probes.sinks import dumps
 from schemas.events import IngestBatch
 

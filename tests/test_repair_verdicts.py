@@ -13,8 +13,8 @@ import orjson
 import pytest
 
 from diag_server import fixes
-from diag_server.engine import Engine
-from diag_server.ingest import ingest
+from diag_server.pipeline.engine import Engine
+from diag_server.pipeline.ingest import ingest
 from diag_server.rules.base import Observations
 from diag_server.rules.stall import TrainingStalled
 from diag_server.store import Store

@@ -8,8 +8,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from diag_server.engine import Engine, EngineSettings
-from diag_server.ingest import ingest
+from diag_server.pipeline.engine import Engine, EngineSettings
+from diag_server.pipeline.ingest import ingest
 from diag_server.rules import BUILTIN, Observations
 from diag_server.rules.system import GpuMemoryFragmentation, MemoryGrowth, StepTimeOutlier
 from diag_server.rules.weights import PoorWeightInit

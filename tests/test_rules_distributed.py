@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diag_server.engine import Engine
-from diag_server.ingest import ingest
+from diag_server.pipeline.engine import Engine
+from diag_server.pipeline.ingest import ingest
 from diag_server.rules import Observations
 from diag_server.rules.distributed import CrossRankTiming, RankMemoryGrowth
 from diag_server.store import Store

@@ -34,10 +34,13 @@ MODULE = ModuleInfo(name="encoder.layers.0.fc1", type="Linear")
 PARAM = ParamInfo(name="encoder.layers.0.fc1.weight", shape=[512, 128], numel=65536)
 OPTIMIZER = OptimizerInfo(type="AdamW", param_groups=[PARAMS, {"lr": 0.01, "weight_decay": 0.0}])
 ROW = StatRow(name="encoder.layers.0.fc1.weight", numel=65536, norm=12.5, mean=NAN, std=None, min=-0.3, max=float("inf"),
-              nan_count=3, inf_count=1, zero_frac=0.0, dead_frac=None, update_ratio=1e-3)
+              nan_count=3, inf_count=1, zero_frac=0.0, dead_frac=None, update_ratio=1e-3,
+              quantiles=[-0.2, -0.1, -0.05, 0.0, 0.05, None, 0.2])
 RUN_START = RunStart(time=1700000000.25, modules=[MODULE], params=[PARAM], total_params=65536, optimizer=OPTIMIZER,
                      torch_version="2.3.0", device="cuda:0", host="gpu-7", allow=[FixAction.lr_scale, FixAction.grad_clip],
-                     config={"sample_every": 10, "collections": ["weights", "gradients"]})
+                     config={"sample_every": 10, "collections": ["weights", "gradients"]},
+                     run_config={"optim.lr": 3e-4, "model.layers": 12, "data.name": "wikitext-103", "amp": True,
+                                 "betas": [0.9, 0.95], "tags": ["baseline", "lr-sweep"], "seed": None})
 SCALARS = Scalars(step=10, time=1700000001.0, values={"loss": 2.31, "val_loss": None, "grad_norm": NAN})
 TENSOR_STATS = TensorStats(step=10, time=1700000001.5, collection=Collection.gradients, rows=[ROW, StatRow(name="head.bias")])
 FIX_ACK = FixAck(step=11, time=1700000002.0, fix_id="f-3", status="applied", before={"lr": 0.01}, after={"lr": 0.001})
@@ -118,7 +121,7 @@ SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
     RunSummary(run=RUN, latest={"loss": 0.42, "val_loss": None}, anomalies_by_kind={"exploding_gradient": 1},
                fixes_by_status={"effective": 1},
                messages=[RunMessage(step=203, time=1.7e9, level="error", text="the job ended: exit after RuntimeError: boom")],
-               messages_total=3),
+               messages_total=3, config={"optim.lr": 3e-4, "tags": ["a"], "seed": None}),
     RunMessage(step=0, time=0.0, level="warning", text="the run's rule settings were ignored: ...", rank=1),
     Series(run="mnist-1", name="loss", points=[SeriesPoint(step=0, value=2.3), SeriesPoint(step=1, value=None)], downsampled=True),
     SeriesPoint(step=3, value=NAN),
@@ -141,6 +144,19 @@ SAMPLES: dict[str, BaseModel] = {m.__class__.__name__: m for m in [
     records.Heatmap(run="mnist-1", collection="gradients", field="norm", tensors=["fc1.weight", "fc2.weight"],
                     steps=[0, 50], values=[[0.5, None], [0.1, 0.2]], downsampled=True),
     records.HistoryEntry(step=40, time=1.7e9, type="anomaly", ref="a-1", label="exploding_gradient", status="critical"),
+    records.TimedPoint(step=40, seconds=12.5, value=None),
+    records.ConfigDifference(key="optim.lr", values={"run-a": 3e-4, "run-b": [0.9, 0.95]}),
+    records.ComparedRun(run=RUN, started_at=1.7e9, points=[records.TimedPoint(step=0, seconds=0.0, value=2.3)],
+                        downsampled=True, marks=[records.HistoryEntry(step=40, time=1.7e9, type="anomaly", ref="a-1",
+                                                                      label="exploding_gradient")], marks_total=3),
+    records.RunComparison(metric="loss", runs=[records.ComparedRun(run=RUN, started_at=0.0, points=[])],
+                          metrics=["loss", "val_loss"], config_same=40, config_differences=[
+                              records.ConfigDifference(key="optim.lr", values={"mnist-1": 0.01, "mnist-2": None})]),
+    records.DistributionPoint(step=10, min=-1.0, max=None, mean=0.0, quantiles=[-0.5, -0.3, -0.1, 0.0, 0.1, 0.3, 0.5]),
+    records.Distribution(run="mnist-1", collection="weights", tensor="fc1.weight", tensors=["fc1.weight", "fc1.bias"],
+                         sample=512, downsampled=True, points=[records.DistributionPoint(step=0, quantiles=[]),
+                         records.DistributionPoint(step=10, min=-1.0, max=1.0, mean=None,
+                                                   quantiles=[-0.5, -0.3, -0.1, 0.0, 0.1, None, 0.5])]),
     records.RunHistory(run="mnist-1", total=2, next_offset=None, entries=[
         records.HistoryEntry(step=40, time=1.7e9, type="anomaly", ref="a-1", label="exploding_gradient"),
         records.HistoryEntry(step=52, time=1.7e9, type="fix", ref="f-1", label="grad_clip applied", status="applied",
@@ -203,7 +219,8 @@ def test_sample_xml_validates_against_the_xsd(name: str) -> None:
 def test_xml_marks_null_with_xsi_nil() -> None:
     doc = etree.fromstring(to_xml(ROW), XML_PARSER)
     nil = "{http://www.w3.org/2001/XMLSchema-instance}nil"
-    assert [el.tag for el in doc if el.get(nil) == "true"] == ["mean", "std", "max", "dead_frac", "saturated_frac", "embedding"]
+    assert [el.tag for el in doc if el.get(nil) == "true"] == ["mean", "std", "max", "dead_frac", "saturated_frac", "quantiles",
+                                                                   "embedding"]
     evidence = etree.fromstring(to_xml(ANOMALY), XML_PARSER).find("evidence")
     assert [(e.get("key"), e.get(nil), [i.text for i in e]) for e in evidence] == [
         ("grad_norm", None, []), ("baseline", None, []), ("ratio", "true", []), ("steps", None, ["40.0", "52.0"])]

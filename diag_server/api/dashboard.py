@@ -1,9 +1,11 @@
-"""The live dashboard: a run list at ``/``, a run page at ``/runs/{run}``, and their static assets.
+"""The live dashboard: a run list at ``/``, a run page at ``/runs/{run}``, several runs side by side at
+``/compare?run=a&run=b``, and their static assets.
 
 The page is plain HTML, CSS and JavaScript shipped in the package (``diag_server/api/static``), with uPlot
-(vendored from the npm registry, MIT, its licence beside it) for the line charts and a canvas for the
-heat map. It reads the same /v1 routes as everyone else and listens to /v1/runs/{run}/stream for changes.
-Nothing is built or fetched at run time.
+(vendored from the npm registry, MIT, its licence beside it) for every chart: lines, the heat map and the
+distribution bands are uPlot charts (the last two draw their cells and shapes in uPlot's draw hook, on its
+scales and cursor). It reads the same /v1 routes as everyone else and listens to /v1/runs/{run}/stream for
+changes while a run is active. Nothing is built or fetched at run time.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ def index() -> HTMLResponse:
 @router.get("/runs/{run}", response_class=HTMLResponse, responses=HTML,
             summary="The dashboard: one run's charts, anomalies, fixes and timeline")
 def run_page(run: str) -> HTMLResponse:
+    return HTMLResponse(_asset("index.html"), headers={"cache-control": "no-cache"})
+
+
+@router.get("/compare", response_class=HTMLResponse, responses=HTML,
+            summary="The dashboard: runs side by side (repeat run=): a metric overlaid, config differences")
+def compare_page() -> HTMLResponse:
     return HTMLResponse(_asset("index.html"), headers={"cache-control": "no-cache"})
 
 

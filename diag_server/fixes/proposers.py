@@ -3,7 +3,7 @@
 Each proposer reads the anomaly's evidence (keys as the rules in diag_server/rules/ write them; looked
 up defensively, since a user rule may report the same kind with less) and the run's stored history, and
 returns ranked candidates with parameters computed from them. ``install(PROPOSERS)`` adds them to the
-fix loop's table; diag_server/fixes.py calls it once at import.
+fix loop's table; diag_server/fixes/registry.py calls it once.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ApiError
-from ..ingest import MAX_BODY_BYTES, ingest, parse_batch
+from .ingest import MAX_BODY_BYTES, ingest, parse_batch
 from .services import Services
 
 

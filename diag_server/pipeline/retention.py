@@ -22,7 +22,7 @@ import orjson
 
 from ..errors import ApiError
 from ..read.queries import STALE_AFTER_S, require_run
-from ..store import Store
+from ..store import Store, unpack_quantiles
 
 log = logging.getLogger("traindx.server")
 
@@ -41,7 +41,7 @@ def _events(conn: sqlite3.Connection, run: str, row: sqlite3.Row) -> Iterator[di
         yield orjson.loads(row["start"])
     times: dict[int, float] = {}
     scalars = conn.execute("SELECT step, name, value, time FROM scalars WHERE run=? ORDER BY step, rowid", (run,))
-    stats = conn.execute(f"SELECT step, collection, tensor, {', '.join(_STAT_FIELDS)} FROM stats WHERE run=? "
+    stats = conn.execute(f"SELECT step, collection, tensor, {', '.join(_STAT_FIELDS)}, quantiles FROM stats WHERE run=? "
                          "ORDER BY step, collection, rowid", (run,))
     messages = conn.execute("SELECT step, time, level, text FROM messages WHERE run=? ORDER BY step, rowid", (run,))
     # Three cursors merged by step, so the export reads a run of any size in constant memory.
@@ -66,6 +66,8 @@ def _events(conn: sqlite3.Connection, run: str, row: sqlite3.Row) -> Iterator[di
             while heads["stats"] is not None and heads["stats"][0] == step and heads["stats"][1] == collection:
                 r = heads["stats"]
                 rows.append({"name": r[2], **{f: r[3 + i] for i, f in enumerate(_STAT_FIELDS) if r[3 + i] is not None}})
+                if r[-1] is not None:
+                    rows[-1]["quantiles"] = unpack_quantiles(r[-1])
                 heads["stats"] = next(stats, None)
             # The stats table keeps no time of its own: the step's scalars carry it (approximate otherwise).
             yield {"kind": "tensor_stats", "step": step, "time": times.get(step, fallback_time),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import logging
 
-from ..engine import Engine, EngineSettings
+from .engine import Engine, EngineSettings
 from .retention import AgeSweeper, SizeGuard
 from ..store import Store
 

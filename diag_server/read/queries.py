@@ -68,14 +68,20 @@ def next_offset(offset: int, returned: int, total: int) -> int | None:
     return nxt if nxt < total else None
 
 
-def run_page(store: Store, *, status: str | None = None, offset: int = 0, limit: int | None = None) -> RunPage:
+def run_page(store: Store, *, status: str | None = None, offset: int = 0, limit: int | None = None,
+             search: str | None = None, open_anomalies: bool | None = None) -> RunPage:
+    """Runs, most recently active first. ``search``: runs whose id contains it (any case); ``open_anomalies``:
+    only runs with (True) or without (False) an open anomaly."""
     check_page(offset, limit)
     conn, now = store.read(), time.time()
     counts = dict(conn.execute("SELECT run, count(*) FROM anomalies WHERE status='open' GROUP BY run").fetchall())
-    rows = conn.execute("SELECT * FROM runs ORDER BY last_seen DESC").fetchall()
+    where, args = ("WHERE instr(lower(run), ?) > 0", [search.lower()]) if search else ("", [])
+    rows = conn.execute(f"SELECT * FROM runs {where} ORDER BY last_seen DESC", args).fetchall()
     runs = [_run(r, counts.get(r["run"], 0), now) for r in rows]
     if status is not None:  # active/stale is computed from last_seen, so it filters here rather than in SQL
         runs = [r for r in runs if r.status == status]
+    if open_anomalies is not None:
+        runs = [r for r in runs if (r.open_anomalies > 0) == open_anomalies]
     page = runs[offset:None if limit is None else offset + limit]
     return RunPage(runs=page, total=len(runs), offset=offset, next_offset=next_offset(offset, len(page), len(runs)))
 
@@ -98,7 +104,8 @@ def run_summary(store: Store, run: str) -> RunSummary:
                                       "LIMIT ?", (run, MESSAGES_SHOWN)).fetchall()[::-1]]
     total = conn.execute("SELECT count(*) FROM messages WHERE run=?", (run,)).fetchone()[0]
     return RunSummary(run=_run(row, sum(by_kind.values()), time.time()), latest=latest,
-                      anomalies_by_kind=by_kind, fixes_by_status=fixes, messages=messages, messages_total=total)
+                      anomalies_by_kind=by_kind, fixes_by_status=fixes, messages=messages, messages_total=total,
+                      config=_json(row["start"], {}).get("run_config", {}))
 
 
 def _anomaly(r: sqlite3.Row) -> Anomaly:

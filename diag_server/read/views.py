@@ -95,7 +95,9 @@ def heatmap(store: Store, run: str, *, collection: str = "gradients", field: str
         raise ApiError(422, "invalid_parameter", f"max_steps must be >= 1, got {max_steps}")
     col = _stat_field(field)
     lo, hi = _range(min_step, max_step)
-    where, args = "run=? AND collection=? AND step BETWEEN ? AND ?", (run, collection, lo, hi)
+    # '+step': the step range must not pick the (run, step) index, which holds every collection's rows; the
+    # (run, collection, tensor, step) one reads a quarter of them (a 100-layer run: 350 ms -> 150 ms).
+    where, args = "run=? AND collection=? AND +step BETWEEN ? AND ?", (run, collection, lo, hi)
     n_steps, first, last = conn.execute(f"SELECT count(DISTINCT step), min(step), max(step) FROM stats WHERE {where}",
                                         args).fetchone()
     if not n_steps:

@@ -91,6 +91,11 @@ def _rms(row: dict) -> float | None:
     return norm / math.sqrt(n) if norm is not None and n else None
 
 
+def _span(rows: list[dict]) -> str:
+    """'first'..'last' of a run of tensors, or the one."""
+    return f"'{rows[0]['name']}'" if len(rows) == 1 else f"'{rows[0]['name']}'..'{rows[-1]['name']}'"
+
+
 # Parameters of these modules are looked up, not multiplied: a batch touches a few rows, so their RMS gradient
 # over the table measures how few rows it touched, not how much signal reached the start of the network.
 _LOOKUP_TYPES = ("Embedding", "EmbeddingBag")
@@ -148,9 +153,8 @@ class VanishingGradient(Rule):
             if streak(state, "streak", vanishing) < self.p.patience:
                 continue
             tiny = [r["name"] for r in mats if (_rms(r) or 0) < self.p.ratio * (last or 0)] or [mats[0]["name"]]
-            span = (lambda rs: f"'{rs[0]['name']}'" if len(rs) == 1 else f"'{rs[0]['name']}'..'{rs[-1]['name']}'")
-            why = (f"the first weight layers {span(head)} get {ratio:.2g}x the RMS gradient of the last "
-                   f"{span(tail)}" if ratio is not None and ratio < self.p.ratio
+            why = (f"the first weight layers {_span(head)} get {ratio:.2g}x the RMS gradient of the last "
+                   f"{_span(tail)}" if ratio is not None and ratio < self.p.ratio
                    else f"the RMS gradient over all weights is {total:.2g}")
             start = loss.start
             out.append(Finding(

@@ -5,6 +5,7 @@ versioned migrations, run when a store is opened.
 """
 
 from .schema import LATEST as SCHEMA_VERSION, STAT_COLUMNS, SchemaError
-from .sqlite import Store, add_message
+from .sqlite import Store, add_message, pack_quantiles, unpack_quantiles
 
-__all__ = ["SCHEMA_VERSION", "STAT_COLUMNS", "SchemaError", "Store", "add_message"]
+__all__ = ["SCHEMA_VERSION", "STAT_COLUMNS", "SchemaError", "Store", "add_message", "pack_quantiles",
+           "unpack_quantiles"]

@@ -104,9 +104,15 @@ def _ranks(conn: sqlite3.Connection) -> None:
         add_column(conn, table, "rank", "INTEGER DEFAULT 0")
 
 
+def _quantiles(conn: sqlite3.Connection) -> None:
+    # Rows already there read as NULL: no quantiles sent, which the distribution chart draws as min-max.
+    add_column(conn, "stats", "quantiles", "BLOB")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "the tables of the first release", _baseline),
     Migration(2, "a rank on every scalar, statistic and message (multi-process runs)", _ranks),
+    Migration(3, "a tensor's value quantiles on its stats rows (the dashboard's distributions)", _quantiles),
 )
 LATEST = MIGRATIONS[-1].version
 

@@ -13,8 +13,10 @@ pages once instead of eight times (benchmarks/distributed.py --part ingest).
 
 from __future__ import annotations
 
+import math
 import queue
 import sqlite3
+import struct
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -27,6 +29,21 @@ T = TypeVar("T")
 # Writes committed together at most (see the module docstring): enough for a few dozen ranks' batches,
 # few enough that one commit stays well under a second.
 MAX_GROUP = 32
+
+def pack_quantiles(values: list[float | None] | None) -> bytes | None:
+    """A stats row's quantiles (StatRow.quantiles) as stored: little-endian doubles, NaN for a null; none
+    sent, NULL. 56 bytes a row that has them, and the probe sends them on few of its sampled steps."""
+    if not values:
+        return None
+    return struct.pack(f"<{len(values)}d", *(math.nan if v is None else v for v in values))
+
+
+def unpack_quantiles(blob: bytes | None) -> list[float | None] | None:
+    """What pack_quantiles stored, back: None for a row without quantiles, a NaN read as null."""
+    if blob is None:
+        return None
+    return [None if v != v else v for v in struct.unpack(f"<{len(blob) // 8}d", blob)]
+
 
 def add_message(conn: sqlite3.Connection, run: str, step: int, time: float, level: str, text: str,
                 rank: int = 0) -> None:

@@ -49,3 +49,12 @@ def test_the_package_arrows_hold() -> None:
         pytest.skip("import-linter is not installed (the test extra installs it)")
     out = subprocess.run([lint], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:]
+
+
+def test_the_code_is_lint_clean() -> None:
+    """ruff, with the rules pyproject.toml selects, finds nothing."""
+    ruff = shutil.which("ruff", path=os.path.dirname(sys.executable))
+    if ruff is None:
+        pytest.skip("ruff is not installed (the test extra installs it)")
+    out = subprocess.run([ruff, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:]

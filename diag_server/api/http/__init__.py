@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from . import anomalies, compression, distributed, embeddings, fixes, health, ingest, runs, series
+from . import (anomalies, compare, compression, distributed, distributions, embeddings, fixes, health, ingest,
+               runs, series)
 
 ROUTERS: tuple[APIRouter, ...] = (
     health.router, ingest.router, runs.router, anomalies.router, fixes.router, series.router, embeddings.router,
-    compression.router, distributed.router,
+    compression.router, distributed.router, compare.router, distributions.router,
 )
 
 __all__ = ["ROUTERS"]

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from schemas.enums import AnomalyKind, AnomalyStatus, Severity
 from schemas.records import Anomaly, AnomalyPage, Diagnosis
 
-from ... import diagnosis
+from ...read import diagnosis
 from ...read import queries
 from ..deps import Limit, MaxStep, MinStep, Offset, Svc, router as _router
 from ..render import respond

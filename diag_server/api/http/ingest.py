@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from schemas.events import IngestReply
 
 from ...errors import ApiError
-from ...ingest import MAX_BODY_BYTES, ingest, parse_batch
+from ...pipeline.ingest import MAX_BODY_BYTES, ingest, parse_batch
 from ..deps import INGEST_ERRORS, WRITER, Svc, router as _router
 from ..render import respond
 

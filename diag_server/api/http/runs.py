@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from fastapi import Request
+from fastapi import Query, Request
 from fastapi.responses import Response
 
 from schemas.records import RunHistory, RunPage, RunSummary
@@ -20,8 +20,13 @@ router = _router()
 
 @router.get("/v1/runs", response_model=RunPage, tags=["runs"], summary="List runs, most recently active first")
 def runs(request: Request, services: Svc, status: Literal["active", "ended", "stale"] | None = None,
-         offset: Offset = 0, limit: Limit = 50) -> Response:
-    return respond(request, queries.run_page(services.store, status=status, offset=offset, limit=limit))
+         offset: Offset = 0, limit: Limit = 50,
+         search: Annotated[str | None, Query(max_length=128, description="Runs whose id contains this, in any "
+                                                                         "case.")] = None,
+         open_anomalies: Annotated[bool | None, Query(description="true: only runs with an open anomaly; false: "
+                                                                  "only runs without one.")] = None) -> Response:
+    return respond(request, queries.run_page(services.store, status=status, offset=offset, limit=limit,
+                                             search=search, open_anomalies=open_anomalies))
 
 
 @router.get("/v1/runs/{run}", response_model=RunSummary, tags=["runs"])
@@ -48,7 +53,8 @@ def history(request: Request, services: Svc, run: str, type: views.HistoryType |
             summary="Server-sent events: an 'update' event each time the run's data changes",
             responses={200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
                              "description": "A text/event-stream; each 'update' event's data is JSON with the "
-                                            "run's last_step, status, open anomalies and a change counter."}})
+                                            "run's last_step, status, open anomalies, its last sampled step "
+                                            "(stats_step) and a change counter."}})
 @offers("event-stream")
 async def stream(request: Request, services: Svc, run: str) -> Response:
     queries.require_run(services.store.read(), run)

@@ -20,9 +20,9 @@ FAMILIES = (runs, anomalies, fixes, compression, series, distributed)
 def build_mcp(services: Services, version: str) -> TraindxMCP:
     server = TraindxMCP(services, version)
     for family in FAMILIES:
-        for fn, annotations in family.TOOLS:
+        for fn, hints in family.TOOLS:
             # A tool's description is its docstring without the source's indentation.
-            server.add_tool(fn, description=inspect.cleandoc(fn.__doc__ or ""), annotations=annotations)
+            server.add_tool(fn, description=inspect.cleandoc(fn.__doc__ or ""), annotations=hints)
     context.register(server)
     return server
 

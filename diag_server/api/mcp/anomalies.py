@@ -11,7 +11,7 @@ from schemas.enums import AnomalyKind, AnomalyStatus, Severity
 from schemas.events import MAX_STEP
 from schemas.records import AnomalyPage, Diagnosis
 
-from ... import diagnosis as diagnosis_
+from ...read import diagnosis as diagnosis_
 from ...read import queries
 from .server import READ, RunArg, call, services
 

@@ -8,7 +8,7 @@ from mcp.server.mcpserver import Context
 
 from schemas.export import json_schema
 
-from ... import diagnosis
+from ...read import diagnosis
 from .server import TraindxMCP, call, services
 
 

@@ -141,7 +141,7 @@ def test_velocity_is_the_ema_of_the_row_step(path: str) -> None:
     probe, _ = attach(model, opt)
     steps = []
     gen = torch.Generator().manual_seed(1)
-    for s in range(12):
+    for _ in range(12):
         w0 = model.table.weight.detach().clone()
         loss = ((model(torch.tensor([0, 1])) - torch.randn(2, generator=gen)) ** 2).sum()
         opt.zero_grad()

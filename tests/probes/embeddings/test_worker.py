@@ -38,7 +38,7 @@ def _run_two_tables(background: bool, steps: int = 45) -> tuple[list, list[torch
     assert (coll.worker is not None) == (background and not native)
     assert native == (probes.stats._fastats is not None)
     gen = torch.Generator().manual_seed(3)
-    for step in range(steps):
+    for _ in range(steps):
         ids = torch.randint(0, 25, (16,), generator=gen)
         loss = (model(ids) - torch.randn(16, generator=gen)).pow(2).sum()
         opt.zero_grad()
@@ -114,7 +114,7 @@ def test_the_worker_runs_only_where_a_core_is_free(monkeypatch: pytest.MonkeyPat
     """By default the folds go to the worker only when torch's own threads leave a core free."""
     model = _two_tables()
     for threads, worker in ((1, True), (4096, False)):
-        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
         monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
         probe, _ = attach(model, None)
         assert (collection_of(probe).worker is not None) == worker

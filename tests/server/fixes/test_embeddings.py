@@ -7,8 +7,8 @@ import uuid
 import pytest
 
 from diag_server import fixes as server_fixes
-from diag_server.engine import Engine
-from diag_server.ingest import ingest
+from diag_server.pipeline.engine import Engine
+from diag_server.pipeline.ingest import ingest
 from diag_server.store import Store
 from schemas import IngestBatch
 

@@ -13,13 +13,13 @@ from pydantic import ValidationError
 from schemas.events import (CaptureResult, Command, FixAck, IngestBatch, IngestReply, LayerProfiles, RunStart,
                             Scalars, Spans, TensorSnapshot, TensorStats)
 
-from .pipeline import captures, evidence, ranks
-from . import fixes
-from .compression.recipe import store_profiles
+from . import captures, evidence, ranks
+from .. import fixes
+from ..compression.recipe import store_profiles
 from .engine import Engine, loss_median
-from .errors import ApiError
-from .rules import Observations
-from .store import STAT_COLUMNS, Store, add_message
+from ..errors import ApiError
+from ..rules import Observations
+from ..store import STAT_COLUMNS, Store, add_message, pack_quantiles
 
 MAX_BODY_BYTES = 32 << 20  # a full batch of the largest events fits well inside this
 DEFAULT_INTERVAL = 100  # the probe's default (probes.DEFAULT_INTERVAL), for runs that sent no run_start
@@ -129,15 +129,16 @@ def _store_data(conn: sqlite3.Connection, run: str, rank: int, events: list, obs
             rows = [dict(r.__dict__) if r.embedding is None else r.model_dump() for r in ev.rows]
             collection = ev.collection.value
             obs.stats.setdefault(collection, {})[ev.step] = rows
-            stat_rows.extend((run, ev.step, collection, *_stat_values(r), rank) for r in rows)
+            stat_rows.extend((run, ev.step, collection, *_stat_values(r), rank, pack_quantiles(r.get("quantiles")))
+                             for r in rows)
             # an embedding table's latest summary, for GET /v1/runs/{run}/embeddings (older reports: the rules')
             table_rows.extend((run, rank, r["name"], ev.step, orjson.dumps(r["embedding"]))
                               for r in rows if r.get("embedding") is not None)
     for series in obs.scalars.values():  # events of one batch may interleave steps
         series.sort(key=lambda p: p[0])
     conn.executemany("INSERT INTO scalars(run, step, name, value, time, rank) VALUES (?,?,?,?,?,?)", scalar_rows)
-    conn.executemany(f"INSERT INTO stats(run, step, collection, tensor, {', '.join(STAT_COLUMNS)}, rank) "
-                     f"VALUES ({', '.join('?' * (5 + len(STAT_COLUMNS)))})", stat_rows)
+    conn.executemany(f"INSERT INTO stats(run, step, collection, tensor, {', '.join(STAT_COLUMNS)}, rank, quantiles) "
+                     f"VALUES ({', '.join('?' * (6 + len(STAT_COLUMNS)))})", stat_rows)
     conn.executemany("INSERT INTO embedding_tables(run, rank, name, step, summary) VALUES (?,?,?,?,?) "
                      "ON CONFLICT(run, rank, name) DO UPDATE SET step=excluded.step, summary=excluded.summary "
                      "WHERE excluded.step >= embedding_tables.step", table_rows)

@@ -14,10 +14,11 @@ import orjson
 
 from schemas.enums import AnomalyStatus, FixStatus, Severity
 
-from .fixes import MITIGATIONS, fault_step
-from .rules import BUILTIN, Finding, Observations, Rule
-from .store import add_message
-from .fixes.verdict import REFERENCE_POINTS, START_POINTS, judge
+from ..fixes import MITIGATIONS, fault_step
+from ..rules import BUILTIN, Finding, Observations, Rule
+from ..store import add_message
+from ..fixes.verdict import REFERENCE_POINTS, START_POINTS, judge
+from .evidence import request_snapshot
 
 _SEVERITY_ORDER = {Severity.info.value: 0, Severity.warning.value: 1, Severity.critical.value: 2}
 
@@ -29,7 +30,7 @@ class EngineSettings:
     # A fix is judged this many sampling intervals (and at least verify_min_steps) after it was applied,
     # sooner (from a quarter of that on) if its anomaly clears and the run is back near its healthy level.
     # 200 steps: the demo's loss needs ~100 steps to settle after a learning-rate fix, and the anomaly
-    # another 3 intervals to resolve (measurement here). What "back" means: diag_server/verdict.py.
+    # another 3 intervals to resolve (measurement here). What "back" means: diag_server/fixes/verdict.py.
     verify_after_intervals: int = 6
     verify_min_steps: int = 200
     # A run whose loss is still coming down at the end of the window is given up to this many windows.
@@ -105,8 +106,6 @@ class Engine:
     # -- called from ingest, in the writer thread ------------------------------------------------------
     def process(self, conn: sqlite3.Connection, obs: Observations, now: float) -> list[str]:
         """Run every rule over ``obs``; return ids of anomalies opened by this batch."""
-        from .pipeline.evidence import request_snapshot
-
         opened: list[str] = []
         seen: set[str] = set()
         if obs.start is None:

@@ -22,11 +22,11 @@ import orjson
 from schemas.enums import AnomalyKind as K
 from schemas.records import Anomaly, Cause, Diagnosis
 
-from .read.queries import anomalies as list_anomalies
-from .read.queries import require_run
-from .rules.base import median
-from .rules.gradients import global_norm
-from .store import Store
+from .queries import anomalies as list_anomalies
+from .queries import require_run
+from ..rules.base import median
+from ..rules.gradients import global_norm
+from ..store import Store
 
 # Which anomaly kinds can be a consequence of which.
 CAUSES: dict[K, set[K]] = {
