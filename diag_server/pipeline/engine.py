@@ -120,7 +120,7 @@ class Engine:
             for f in findings:
                 key = f"{f.kind.value}:{f.key}"
                 seen.add(key)
-                new_id = self._record(conn, obs.run, rule, f, key, now)
+                new_id = self._record(conn, obs.run, rule, f, key, now, obs.interval)
                 if new_id:
                     opened.append(new_id)
                 if f.severity == Severity.critical and f.tensors:
@@ -142,10 +142,19 @@ class Engine:
         self._run_rules.pop(run, None)
         self._starts.pop(run, None)
 
-    def _record(self, conn: sqlite3.Connection, run: str, rule: Rule, f: Finding, key: str, now: float) -> str | None:
+    def _record(self, conn: sqlite3.Connection, run: str, rule: Rule, f: Finding, key: str, now: float,
+                interval: int) -> str | None:
         evidence = orjson.dumps(f.evidence).decode()
         row = conn.execute("SELECT id, severity, last_step FROM anomalies WHERE run=? AND key=? AND status='open'",
                            (run, key)).fetchone()
+        lapse = self.settings.resolve_after_intervals * interval
+        if row and f.first_step > row["last_step"] + lapse:
+            # The condition lapsed long enough to resolve the anomaly and came back, within one batch: resolved
+            # and reopened here as a stream of small batches would have, so that the same events give the same
+            # anomalies however they were cut into batches.
+            conn.execute("UPDATE anomalies SET status='resolved', resolved_step=?, updated_at=? WHERE id=?",
+                         (row["last_step"] + lapse, now, row["id"]))
+            row = None
         if row:
             severity = max(row["severity"], f.severity.value, key=_SEVERITY_ORDER.get)
             conn.execute("UPDATE anomalies SET last_step=max(last_step, ?), severity=?, message=?, evidence=?, "
@@ -155,7 +164,7 @@ class Engine:
         cur = conn.execute(
             "INSERT INTO anomalies(run, kind, severity, status, first_step, last_step, tensors, message, evidence,"
             " rule, key, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (run, f.kind.value, f.severity.value, AnomalyStatus.open.value, min(f.since or f.step, f.step), f.step,
+            (run, f.kind.value, f.severity.value, AnomalyStatus.open.value, f.first_step, f.step,
              orjson.dumps(f.tensors).decode(), f.message, evidence, rule.name, key, now, now))
         anomaly_id = f"a-{cur.lastrowid}"
         conn.execute("UPDATE anomalies SET id=? WHERE seq=?", (anomaly_id, cur.lastrowid))

@@ -105,7 +105,10 @@ def diagnose(store: Store, run: str) -> Diagnosis:
     conn = store.read()
     require_run(conn, run)
     page = list_anomalies(store, run, limit=500)
-    found = sorted(page.anomalies, key=lambda a: (a.first_step, CAUSAL_ORDER.get(a.kind, 5), a.id))
+    # Ties broken by kind and tensor, not by id: ids follow the order anomalies were stored in, which depends on
+    # how the events were cut into batches, and the same run must get the same diagnosis.
+    found = sorted(page.anomalies, key=lambda a: (a.first_step, CAUSAL_ORDER.get(a.kind, 5), a.kind.value,
+                                                  a.tensors, a.id))
     explained: set[str] = set()
     causes: list[Cause] = []
     for a in found:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from schemas.enums import AnomalyKind, Severity
 
-from .base import Finding, Observations, Param, Rule, streak
+from .base import Finding, Observations, Param, Rule, per_key, streak
 
 _SPECIAL = ("<input>", "<output>")
 
@@ -48,14 +48,15 @@ class DeadRelu(Rule):
             names = [n for n, _ in sorted(held, key=lambda nf: -nf[1])]
             severity = (Severity.critical if worst >= self.p.critical else
                         Severity.warning if worst >= self.p.warning else Severity.info)
-            out = [Finding(AnomalyKind.dead_relu, severity,
-                           step, tensors=names,
-                           message=(f"{worst:.0%} of the units of '{names[0]}' are dead (zero for the whole batch) "
-                                    f"at step {step}" + (f", and {len(names) - 1} more layer(s)" if len(names) > 1 else "")
-                                    + ". Check bias initialisation and the learning rate; LeakyReLU or reinitialising "
-                                    "the dead units brings them back."),
-                           evidence={"dead_frac": worst, "layers": names, "threshold": self.p.threshold})]
-        return out
+            out.append(Finding(
+                AnomalyKind.dead_relu, severity,
+                step, tensors=names,
+                message=(f"{worst:.0%} of the units of '{names[0]}' are dead (zero for the whole batch) "
+                         f"at step {step}" + (f", and {len(names) - 1} more layer(s)" if len(names) > 1 else "")
+                         + ". Check bias initialisation and the learning rate; LeakyReLU or reinitialising "
+                         "the dead units brings them back."),
+                evidence={"dead_frac": worst, "layers": names, "threshold": self.p.threshold}))
+        return per_key(out, obs.interval)
 
 
 class SaturatedActivation(Rule):
@@ -81,12 +82,12 @@ class SaturatedActivation(Rule):
                 continue
             worst = max(f for _, f in held)
             names = [n for n, _ in held]
-            out = [Finding(AnomalyKind.saturated_activation, Severity.warning, step, tensors=names,
-                           message=(f"{worst:.0%} of the outputs of '{names[0]}' are saturated at step {step}: its "
-                                    "gradient is ~0 there. Normalise the inputs, lower the initial weight scale or "
-                                    "use a non-saturating activation."),
-                           evidence={"saturated_frac": worst, "layers": names, "threshold": self.p.threshold})]
-        return out
+            out.append(Finding(AnomalyKind.saturated_activation, Severity.warning, step, tensors=names,
+                               message=(f"{worst:.0%} of the outputs of '{names[0]}' are saturated at step {step}: its "
+                                        "gradient is ~0 there. Normalise the inputs, lower the initial weight scale or "
+                                        "use a non-saturating activation."),
+                               evidence={"saturated_frac": worst, "layers": names, "threshold": self.p.threshold}))
+        return per_key(out, obs.interval)
 
 
 class InputNotNormalized(Rule):
@@ -108,19 +109,22 @@ class InputNotNormalized(Rule):
             scale = max(abs(row["mean"]), row["std"])
             if scale <= self.p.scale:
                 continue
-            out = [Finding(AnomalyKind.input_not_normalized, Severity.warning, step, tensors=["<input>"],
-                           message=(f"The model's input has mean {row['mean']:.3g} and std {row['std']:.3g} at step "
-                                    f"{step} (range {row.get('min')}..{row.get('max')}). Standardise it (subtract the "
-                                    "mean, divide by the std) before the first layer."),
-                           evidence={"mean": row["mean"], "std": row["std"], "min": row.get("min"),
-                                     "max": row.get("max"), "scale_threshold": self.p.scale})]
-        return out
+            out.append(Finding(
+                AnomalyKind.input_not_normalized, Severity.warning, step, tensors=["<input>"],
+                message=(f"The model's input has mean {row['mean']:.3g} and std {row['std']:.3g} at step "
+                         f"{step} (range {row.get('min')}..{row.get('max')}). Standardise it (subtract the "
+                         "mean, divide by the std) before the first layer."),
+                evidence={"mean": row["mean"], "std": row["std"], "min": row.get("min"),
+                          "max": row.get("max"), "scale_threshold": self.p.scale}))
+        return per_key(out, obs.interval)
 
 
 class OutputRangeMismatch(Rule):
     name = "output_range_mismatch"
-    description = ("The model outputs probabilities (each row in [0, 1] summing to 1: a softmax), while losses "
-                   "such as CrossEntropyLoss expect raw logits and apply the softmax themselves.")
+    description = ("The model outputs probabilities (each row of C values in [0, 1] summing to 1: a softmax), "
+                   "while losses such as CrossEntropyLoss expect raw logits and apply the softmax themselves. The "
+                   "output must hold whole rows of C values, and the layer that made it, if it has weights, C "
+                   "outputs.")
     kinds = (AnomalyKind.output_range_mismatch,)
     params = {
         "tolerance": Param(1e-3, "float32 rounding over a batch stays within 1e-4 here",
@@ -131,8 +135,10 @@ class OutputRangeMismatch(Rule):
         out: list[Finding] = []
         modules = list(obs.module_types().items())
         last_type = modules[-1][1] if modules else None
+        shapes = obs.param_shapes()
         for step, rows in obs.sampled("activations"):
-            row = next((r for r in rows if r["name"] == "<output>"), None)
+            at = next((i for i, r in enumerate(rows) if r["name"] == "<output>"), None)
+            row = rows[at] if at is not None else None
             if row is None or None in (row.get("min"), row.get("max"), row.get("mean")):
                 continue
             lo, hi, mean = row["min"], row["max"], row["mean"]
@@ -141,11 +147,21 @@ class OutputRangeMismatch(Rule):
             classes = round(1 / mean)
             if classes < 2 or abs(mean * classes - 1) > self.p.tolerance:
                 continue
-            out = [Finding(AnomalyKind.output_range_mismatch, Severity.warning, step, tensors=["<output>"],
-                           message=(f"The model's output looks like probabilities over {classes} classes at step {step} "
-                                    f"(all in [{lo:.3g}, {hi:.3g}], mean exactly 1/{classes})"
-                                    + (f"; its last layer is {last_type}" if last_type else "")
-                                    + ". CrossEntropyLoss and BCEWithLogitsLoss expect logits: drop the final "
-                                    "softmax/sigmoid (or use NLLLoss on log-probabilities)."),
-                           evidence={"min": lo, "max": hi, "mean": mean, "classes": classes, "last_module": last_type})]
-        return out
+            # Rows of C probabilities: the output holds a whole number of rows of C values, and the layer that
+            # made it, if it has weights, has C outputs. A regression's single column that happens to average
+            # 1/13 (a run whose units died, say) is neither.
+            if row.get("numel") and row["numel"] % classes:
+                continue
+            maker = rows[at - 1] if at and rows[at - 1].get("numel") == row.get("numel") else None
+            width = (shapes.get(f"{maker['name']}.weight") or [None])[0] if maker else None
+            if width is not None and width != classes:
+                continue
+            out.append(Finding(
+                AnomalyKind.output_range_mismatch, Severity.warning, step, tensors=["<output>"],
+                message=(f"The model's output looks like probabilities over {classes} classes at step {step} "
+                         f"(all in [{lo:.3g}, {hi:.3g}], mean exactly 1/{classes})"
+                         + (f"; its last layer is {last_type}" if last_type else "")
+                         + ". CrossEntropyLoss and BCEWithLogitsLoss expect logits: drop the final "
+                         "softmax/sigmoid (or use NLLLoss on log-probabilities)."),
+                evidence={"min": lo, "max": hi, "mean": mean, "classes": classes, "last_module": last_type}))
+        return per_key(out, obs.interval)

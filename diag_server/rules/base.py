@@ -3,6 +3,12 @@
 ``observe(state, obs)`` turns the new observations of one run into findings. It may update ``state``
 (a JSON-able dict the engine persists, so a rule picks up where it was after a server restart) and
 does no I/O: the same rule runs on a live stream, on an imported file and in a unit test.
+
+A rule reads its observations in step order and reports every step at which its condition holds;
+``per_key`` then folds those into one finding per anomaly (kind and key) whose ``since`` is the first such
+step of the batch and ``step`` the last. Rule state carries everything else across batches, so the same
+events give the same findings, and the same first steps, however they were cut into batches: one file
+imported whole, or a live stream of many small batches.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ class Finding:
     tensors: list[str] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
     since: int | None = None  # the step it began at, when earlier than ``step``
+
+    @property
+    def first_step(self) -> int:
+        return self.step if self.since is None else min(self.since, self.step)
 
 
 @dataclass
@@ -100,10 +110,98 @@ class Rule:
                            for k, v in self.params.items()}}
 
 
+_RANK = {Severity.info: 0, Severity.warning: 1, Severity.critical: 2}
+
+
+def per_key(findings: list[Finding], interval: int) -> list[Finding]:
+    """One finding per anomaly (kind and key) and episode out of those a batch gave, in step order: it holds
+    from the first of them (``since``) to the last (``step``), says what the last one says, at the highest
+    severity any of them had (as the engine keeps an open anomaly's highest severity). A condition that lapsed
+    for more than a sampling ``interval`` and came back is a new piece: the engine resolves the earlier one
+    and opens a new anomaly when the lapse was long enough to resolve it, as a live stream would have."""
+    at: dict[tuple[str, str], int] = {}  # where each anomaly's current piece is in ``out``
+    out: list[Finding] = []
+    for f in sorted(findings, key=lambda f: f.step):
+        key = (f.kind.value, f.key)
+        prev = out[at[key]] if key in at else None
+        if prev is None or f.first_step > prev.step + interval:
+            at[key] = len(out)
+            out.append(f)
+            continue
+        severity = max(prev.severity, f.severity, key=_RANK.__getitem__)
+        out[at[key]] = Finding(f.kind, severity, max(f.step, prev.step), f.message, f.key, f.tensors, f.evidence,
+                               since=min(prev.first_step, f.first_step))
+    return out
+
+
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+class LossHistory:
+    """The run's training loss as a rule reads it beside its sampled tensors: as of each sampled step, from the
+    losses at and before that step only (a batch may hold later steps, which a live stream would not have yet,
+    and the same events must read the same however they were cut into batches).
+
+    ``start`` is the median of the run's first ``WINDOW`` losses (where training began), ``now`` the median of
+    the last ``SHORT`` (where it is: one batch's loss is noise), ``best`` the lowest ``now`` so far. Kept in the
+    rule's state under ``loss``."""
+
+    WINDOW = 20  # losses whose median stands for where the run began (as the loss rules' 20-step window)
+    SHORT = 5  # losses whose median stands for the loss now: a minibatch outlier does not move it
+
+    def __init__(self, state: dict, obs: Observations) -> None:
+        self.s = state.setdefault("loss", {"recent": [], "first": [], "best": None, "best_step": None})
+        self._points = [(s, v) for s, v in obs.series("loss") if v is not None]  # None: non-finite
+        self._i = 0
+
+    def upto(self, step: int) -> LossHistory:
+        """Take in the losses up to and including ``step``."""
+        s, points = self.s, self._points
+        while self._i < len(points) and points[self._i][0] <= step:
+            at, value = points[self._i]
+            self._i += 1
+            if len(s["first"]) < self.WINDOW:
+                s["first"].append(value)
+            push(s["recent"], value, self.SHORT)
+            now = median(s["recent"])
+            if len(s["recent"]) == self.SHORT and (s["best"] is None or now < s["best"]):
+                s["best"], s["best_step"] = now, at
+        return self
+
+    def finish(self) -> None:
+        """Take in the rest of the batch's losses."""
+        self.upto(self._points[-1][0] if self._points else -1)
+
+    @property
+    def start(self) -> float | None:
+        return median(self.s["first"]) if len(self.s["first"]) == self.WINDOW else None
+
+    @property
+    def now(self) -> float | None:
+        return median(self.s["recent"]) if self.s["recent"] else None
+
+    def improving(self, step: int) -> bool:
+        """The loss set a new low within the last SHORT steps before ``step``: the model is learning right now."""
+        return self.s["best_step"] is not None and self.s["best_step"] > step - self.SHORT
+
+    def fallen(self, fraction: float) -> bool:
+        """The loss is now below ``fraction`` of where the run began: it has learned."""
+        start, now = self.start, self.now
+        return start is not None and now is not None and now < fraction * start
+
+
+def learning_rate(obs: Observations) -> dict[int, float]:
+    """The largest learning rate of the optimizer's groups, by sampled step (the probe sends ``lr/group<i>``)."""
+    out: dict[int, float] = {}
+    for name, points in obs.scalars.items():
+        if name.startswith("lr/group"):
+            for s, v in points:
+                if v is not None:
+                    out[s] = max(out.get(s, v), v)
+    return out
 
 
 def weight_matrices(obs: Observations, rows: list[dict]) -> list[dict]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from schemas.enums import AnomalyKind, Severity
 
-from .base import Finding, Observations, Param, Rule, median, push
+from .base import Finding, Observations, Param, Rule, per_key, median, push
 
 OWN_PHASES = ("data_wait", "forward", "backward", "optimizer", "other")
 _PHASE_ADVICE = {
@@ -85,7 +85,7 @@ class CrossRankTiming(Rule):
             out.extend(self._judge(state, int(key), {int(r): v for r, v in ranks.items()}))
         for key in sorted(pending, key=int)[:-16]:  # a rank that stopped reporting: do not wait forever
             del pending[key]
-        return _latest_per_key(out)
+        return per_key(out, obs.interval)
 
     def _judge(self, state: dict, step: int, ranks: dict[int, dict[str, float]]) -> list[Finding]:
         p, out = self.p, []
@@ -136,13 +136,6 @@ class CrossRankTiming(Rule):
         return out
 
 
-def _latest_per_key(findings: list[Finding]) -> list[Finding]:
-    latest: dict[str, Finding] = {}
-    for f in findings:
-        latest[f"{f.kind.value}:{f.key}"] = f
-    return list(latest.values())
-
-
 class RankDataloaderBottleneck(Rule):
     all_ranks = True
     name = "rank_dataloader_bottleneck"
@@ -171,14 +164,14 @@ class RankDataloaderBottleneck(Rule):
             hit = wait is not None and total > 0 and wait >= self.p.min_wait_s and wait / total >= self.p.share
             push(hist, bool(hit), int(self.p.window))
             if hit and _seen_enough(hist, True, int(self.p.hits)):
-                out = [Finding(
+                out.append(Finding(
                     AnomalyKind.dataloader_bottleneck, Severity.warning, step, key=f"rank{obs.rank}",
                     message=(f"Rank {obs.rank} waits {wait * 1e3:.1f} ms for data in a {total * 1e3:.1f} ms step "
                              f"({wait / total:.0%}) at step {step}: its data loader cannot keep up. Give its DataLoader "
                              "more workers (num_workers), pin_memory and prefetching, or a faster source."),
                     evidence={"rank": obs.rank, "phase": "data_wait", "data_wait_s": wait, "step_time_s": total,
-                              "share": wait / total})]
-        return out
+                              "share": wait / total}))
+        return per_key(out, obs.interval)
 
 
 class RankMemoryGrowth(Rule):
@@ -218,14 +211,14 @@ class RankMemoryGrowth(Rule):
                 if (growth >= self.p.min_growth_mb and growth >= self.p.min_growth_frac * max(first, 1e-9)
                         and ups >= self.p.rising * (n - 1)):
                     what = "host memory (RSS)" if name == "sys/rss_mb" else "CUDA memory allocated"
-                    out = [f for f in out if f.key != f"rank{obs.rank}:{name}"] + [Finding(
+                    out.append(Finding(
                         AnomalyKind.memory_growth, Severity.warning, step, key=f"rank{obs.rank}:{name}",
                         message=(f"Rank {obs.rank}'s {what} grew from {first:.0f} MB to {last:.0f} MB over steps "
                                  f"{hist[0][0]}-{step} and keeps rising: something on that rank holds on to tensors "
                                  "(a list of losses not detached, a cache). Check what it keeps between steps."),
                         evidence={"rank": obs.rank, "series": name, "first_mb": first, "last_mb": last,
-                                  "growth_mb": growth, "since_step": hist[0][0]}, since=hist[0][0])]
-        return out
+                                  "growth_mb": growth, "since_step": hist[0][0]}, since=hist[0][0]))
+        return per_key(out, obs.interval)
 
 
 class ModeStepTimeOutlier(Rule):
@@ -266,7 +259,7 @@ class ModeStepTimeOutlier(Rule):
                                  f"{typical * 1e3:.1f} ms of {mode} steps (block ending at training step {step})."),
                         evidence={"mode": mode, "rank": obs.rank, "max_s": worst, "typical_s": typical,
                                   "ratio": worst / typical}))
-        return _latest_per_key(out)
+        return per_key(out, obs.interval)
 
 
 RULES = [CrossRankTiming, RankDataloaderBottleneck, RankMemoryGrowth, ModeStepTimeOutlier]

@@ -15,7 +15,7 @@ from statistics import NormalDist
 
 from schemas.enums import AnomalyKind, Severity
 
-from .base import Finding, Observations, Param, Rule
+from .base import Finding, Observations, Param, Rule, per_key
 
 EVIDENCE_ROWS = 256  # row ids named in evidence, worst first
 NAMED_KEPT = 1024  # row ids a table's zombie warnings have named in the run, kept in the rule's state
@@ -31,11 +31,11 @@ def _tables(obs: Observations) -> list[tuple[int, str, dict]]:
     return out
 
 
-def _latest(obs: Observations) -> dict[str, tuple[int, dict]]:
-    latest: dict[str, tuple[int, dict]] = {}
-    for step, name, e in _tables(obs):
-        latest[name] = (step, e)
-    return latest
+def report_gap(obs: Observations) -> int:
+    """Steps between a batch's consecutive embedding reports, at least the sampling interval: the probe reports
+    tables on a schedule of their own, and a condition held at consecutive reports held all along."""
+    steps = sorted(step for step, _ in obs.sampled("embeddings"))
+    return max([obs.interval, *(b - a for a, b in zip(steps, steps[1:]))])
 
 
 def unused_tail(dead_ids: list, rows: int, never: int) -> int | None:
@@ -147,20 +147,19 @@ class ZombieEmbedding(Rule):
         recent: dict[str, list[list[int]]] = state.setdefault("recent", {})
         named: dict[str, list[int]] = state.setdefault("named", {})
         keep = max(int(self.p.reports) - 1, 0)
-        latest: dict[str, tuple[int, dict, list[dict], int]] = {}  # the report, its confirmed and qualifying rows
+        reports: list[tuple[str, int, dict, list[dict], int]] = []  # each report, its confirmed and qualifying rows
         for step, name, e in _tables(obs):
             now = self._qualifying(e)
             if now is None:
                 recent.pop(name, None)
-                latest.pop(name, None)
                 continue
             before = [set(ids) for ids in recent.get(name, [])[-keep:]] if keep else []
             confirmed = [r for r in now if all(r["row"] in ids for ids in before)] if len(before) == keep else []
             if keep:
                 recent[name] = (recent.get(name, []) + [sorted(r["row"] for r in now)])[-keep:]
-            latest[name] = (step, e, confirmed, len(now))
+            reports.append((name, step, e, confirmed, len(now)))
         out = []
-        for name, (step, e, confirmed, qualifying) in latest.items():
+        for name, step, e, confirmed, qualifying in reports:
             if len(confirmed) < self.p.min_rows:
                 continue
             standing = self._past_chance(confirmed, e)
@@ -214,7 +213,7 @@ class ZombieEmbedding(Rule):
                           "rows_named_in_run": [float(r) for r in so_far[:EVIDENCE_ROWS]],
                           "rows_named_in_run_count": len(so_far),
                           "max_consistency": self.p.max_consistency, "max_snr": self.p.max_snr}))
-        return out
+        return per_key(out, report_gap(obs))
 
 
 class DeadEmbedding(Rule):
@@ -240,7 +239,7 @@ class DeadEmbedding(Rule):
 
     def observe(self, state: dict, obs: Observations) -> list[Finding]:
         out = []
-        for name, (step, e) in _latest(obs).items():
+        for step, name, e in _tables(obs):
             median = e.get("median_touches")
             if median is None or median < self.p.min_median_touches:
                 continue
@@ -292,7 +291,7 @@ class DeadEmbedding(Rule):
                           "table_rows": e.get("rows"), "median_touches": median,
                           "tracked_steps": e.get("tracked_steps"), "nonfinite_rows": nonfinite, "tied_to": tied,
                           "learns_outside_lookups": outside, "past_data_range": past}))
-        return out
+        return per_key(out, report_gap(obs))
 
 
 class EmbeddingCollapse(Rule):
@@ -313,7 +312,7 @@ class EmbeddingCollapse(Rule):
 
     def observe(self, state: dict, obs: Observations) -> list[Finding]:
         out = []
-        for name, (step, e) in _latest(obs).items():
+        for step, name, e in _tables(obs):
             n = e.get("sampled_rows") or 0
             rank, cos = e.get("effective_rank"), e.get("mean_cosine")
             if n < self.p.min_sampled_rows or rank is None or cos is None:
@@ -330,4 +329,4 @@ class EmbeddingCollapse(Rule):
                 evidence={"table": name, "effective_rank": rank, "rank_ratio": ratio, "mean_cosine": cos,
                           "sampled_rows": n, "fraction": 1.0, "table_rows": e.get("rows"),
                           "min_rank_ratio": self.p.min_rank_ratio, "max_mean_cosine": self.p.max_mean_cosine}))
-        return out
+        return per_key(out, report_gap(obs))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from schemas.enums import AnomalyKind, Severity
 
-from .base import Finding, Observations, Param, Rule, median, push, weight_matrices
+from .base import Finding, Observations, Param, Rule, median, per_key, push, weight_matrices
 
 
 class TrainingStalled(Rule):
@@ -68,13 +68,13 @@ class TrainingStalled(Rule):
             ratios = [r["update_ratio"] for r in weight_matrices(obs, value) if r.get("update_ratio") is not None]
             finding = self._updates(state, step, median(ratios) if ratios else None)
             if finding is not None:
-                out = [finding]  # one per batch: the latest
+                out.append(finding)  # folded by per_key: from the first step it held, as a stream reports it
         if state["open"] is None:
             return []  # it came back within this batch
         if not out and obs.series("loss"):
             finding = self._still_open(state, obs.series("loss")[-1][0])
             out = [finding] if finding is not None else []
-        return out
+        return per_key(out, obs.interval)
 
     def _loss(self, state: dict, step: int, value: float, window: int) -> None:
         push(state["recent"], value, window)
