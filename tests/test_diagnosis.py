@@ -190,7 +190,7 @@ def test_embedding_anomalies_naming_the_same_ids_in_two_tables_are_one_problem(t
 def _causes(diag: dict) -> list[tuple]:
     """A diagnosis as a person reads it: each cause's kind, step and tensor, and what it explains. Kinds about
     the machine (step times, the data loader) are left out: they measure the machine, not the seeded job."""
-    from diag_server.diagnosis import RESOURCE_KINDS
+    from diag_server.read.diagnosis import RESOURCE_KINDS
 
     machine = {k.value for k in RESOURCE_KINDS}
     return [(c["kind"], c["step"], c["tensor"], c["explanation"].count(" -> ")) for c in diag["causes"]
@@ -203,9 +203,9 @@ def test_a_seeded_job_gets_the_same_diagnosis_however_its_events_arrive(tmp_path
     once imported whole: one diagnosis. Before, the same job was diagnosed 'exploding_gradient at 540' once
     and 'dead_relu at 520' the next time: each anomaly began at the last sample of the batch that showed it."""
     from agent_examples.jobs import lr_spike_job
-    from diag_server.diagnosis import diagnose
-    from diag_server.engine import Engine
-    from diag_server.ingest import ingest
+    from diag_server.read.diagnosis import diagnose
+    from diag_server.pipeline.engine import Engine
+    from diag_server.pipeline.ingest import ingest
     from diag_server.store import Store
     from schemas.events import IngestBatch
 
