@@ -226,11 +226,15 @@ def gpt2_model(seed: int) -> nn.Module:
                                       bos_token_id=PAD, eos_token_id=PAD))
 
 
-def gpt2(attach: Attach, seed: int, steps: int = 800) -> Result:
-    model = gpt2_model(seed)
+def _causal_lm(attach: Attach, model: nn.Module, seed: int, steps: int) -> Result:
+    """A decoder trained as one is pretrained: AdamW with weight decay, warmup then cosine, clip at 1."""
     opt = adamw(model, 3e-3, 0.1)
     return train_loop(attach, model, opt, steps, _lm_loss(model, windows(text_split("train"), SEQ, 16, seed)),
                       sched=warmup_cosine(opt, steps // 10, steps), clip=1.0, evaluate=_lm_eval(model, seed))
+
+
+def gpt2(attach: Attach, seed: int, steps: int = 800) -> Result:
+    return _causal_lm(attach, gpt2_model(seed), seed, steps)
 
 
 def llama_model(seed: int) -> nn.Module:
@@ -243,10 +247,7 @@ def llama_model(seed: int) -> nn.Module:
 
 
 def llama(attach: Attach, seed: int, steps: int = 800) -> Result:
-    model = llama_model(seed)
-    opt = adamw(model, 3e-3, 0.1)
-    return train_loop(attach, model, opt, steps, _lm_loss(model, windows(text_split("train"), SEQ, 16, seed)),
-                      sched=warmup_cosine(opt, steps // 10, steps), clip=1.0, evaluate=_lm_eval(model, seed))
+    return _causal_lm(attach, llama_model(seed), seed, steps)
 
 
 def bert_model(seed: int) -> nn.Module:
